@@ -1,0 +1,1 @@
+"""Functional collectives over named mesh axes (simulated and torch.distributed backends)."""

@@ -1,0 +1,1 @@
+"""The sharding compiler: trace -> rules -> propagate -> partition -> passes -> runtime."""

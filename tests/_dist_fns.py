@@ -1,0 +1,83 @@
+"""Module-level functions that multi-process tests run on every rank (spawned processes import them)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_sum(rank: int, world: int) -> dict[str, object]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": world, "sum": t.item()}
+
+
+def raise_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    t = torch.zeros(1)
+    dist.all_reduce(t)  # the others block here, waiting for rank 1
+    return rank
+
+
+def hang_on_rank_0(rank: int, world: int) -> int:
+    if rank == 0:
+        time.sleep(3600)
+    return rank
+
+
+def mesh_groups(rank: int, world: int) -> dict[str, object]:
+    """Build a real Mesh (process group already up) and report its per-axis groups."""
+    from shardspec import Mesh
+
+    mesh = Mesh({"dp": 2, "tp": 2})
+    out: dict[str, object] = {"rank": mesh.rank, "coords": mesh.coords(mesh.rank)}
+    for axis in mesh.axis_names:
+        group = mesh.device_mesh.get_group(axis)
+        out[axis] = dist.get_process_group_ranks(group)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)  # the group really communicates
+        out[axis + "_sum"] = t.item()
+    return out
+
+
+def mesh_from_torchrun_env(rank: int, world: int) -> dict[str, object]:
+    """No process group yet: Mesh must initialize it from RANK/WORLD_SIZE/MASTER_*."""
+    from shardspec import Mesh
+
+    assert not dist.is_initialized()
+    mesh = Mesh({"dp": world})
+    assert dist.is_initialized()
+    result = {
+        "backend": dist.get_backend(),
+        "rank": mesh.rank,
+        "names": mesh.device_mesh.mesh_dim_names,
+    }
+    dist.destroy_process_group()
+    return result
+
+
+def dtensor_layout_matches(rank: int, world: int) -> list[str]:
+    """distribute_tensor with our placements puts on each rank exactly the block our layout says."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardspec import Mesh, P, device_slices, spec_to_placements
+
+    mesh = Mesh({"dp": 2, "tp": 2})
+    checked = []
+    for shape, spec in [
+        ((8, 6), P("dp", "tp")),
+        ((7, 5), P("tp", "dp")),
+        ((8, 3), P(("dp", "tp"))),
+        ((5, 4), P(None, "dp")),
+        ((3, 2), P()),
+        ((6,), P("tp")),
+    ]:
+        x = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        dt = distribute_tensor(x, mesh.device_mesh, list(spec_to_placements(spec, mesh, shape)))
+        expected = x[device_slices(shape, mesh, spec, rank)]
+        assert torch.equal(dt.to_local(), expected), (shape, spec, rank)
+        checked.append(f"{shape} {spec}")
+    return checked
