@@ -81,3 +81,36 @@ def dtensor_layout_matches(rank: int, world: int) -> list[str]:
         assert torch.equal(dt.to_local(), expected), (shape, spec, rank)
         checked.append(f"{shape} {spec}")
     return checked
+
+
+def run_collective_cases(rank: int, world: int, axes: dict[str, int]) -> dict[str, object]:
+    """Run every shared collective case on a real mesh; return this rank's outputs and bytes."""
+    import collectives as C
+    from shardspec import Mesh
+    from tests.collective_cases import call, cases, inputs
+
+    mesh = Mesh(axes)
+    outs, sent = [], []
+    for case in cases(Mesh(axes, simulate=True)):
+        with C.count_bytes() as counter:
+            outs.append(call(case, mesh, inputs(case, mesh)[rank]))
+        sent.append(counter.total_bytes_per_rank)
+    return {"outs": outs, "bytes": sent}
+
+
+def async_and_p2p(rank: int, world: int) -> dict[str, object]:
+    """async_op + wait, send/recv along an axis, on a real 2-rank mesh."""
+    import collectives as C
+    from shardspec import Mesh
+
+    mesh = Mesh({"pp": world})
+    x = torch.full((4, 2), float(rank))
+    pending = C.all_gather(x, dim=0, axis="pp", mesh=mesh, async_op=True)
+    gathered = C.wait(pending)
+    reduced = C.wait(C.all_reduce(x, axis="pp", mesh=mesh, async_op=True))
+    if rank == 0:
+        C.send(x + 10, axis="pp", dst=1, mesh=mesh)
+        got = None
+    else:
+        got = C.recv((4, 2), torch.float32, axis="pp", src=0, mesh=mesh)
+    return {"gathered": gathered, "reduced": reduced, "got": got}

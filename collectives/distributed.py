@@ -1,0 +1,227 @@
+"""The torch.distributed backend: c10d collectives on a process group per mesh axis or axis tuple.
+
+Single axes use the DeviceMesh's groups; a tuple of axes gets one group per member set, created on
+first use by every rank in the same order (SPMD guarantees they all get there). c10d orders a group by
+global rank while a tuple of axes orders it by ``Mesh.axis_index`` (first axis major); where the two
+differ the blocks are permuted before sending and after receiving. Uneven shards travel padded to the
+largest block and are trimmed on arrival. ``async_op=True`` returns the output buffer at once and
+``wait`` completes it; layouts that need work after arrival (uneven, permuted) complete before
+returning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from collectives import accounting
+from shardspec.layout import chunk_bounds, chunk_sizes
+from shardspec.mesh import Mesh
+
+_groups: dict[tuple[Mesh, tuple[str, ...]], dict[tuple[int, ...], Any]] = {}
+_pending: dict[int, Any] = {}
+_REDUCE = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+class _Group:
+    """This rank's view of one communicating group."""
+
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...]) -> None:
+        self.rank = mesh.rank
+        self.by_pos = mesh.group_of(self.rank, axes)  # global ranks in axis order
+        self.n = len(self.by_pos)
+        self.pos = self.by_pos.index(self.rank)
+        members = sorted(self.by_pos)  # c10d order
+        self.pos_of_grank = [self.by_pos.index(g) for g in members]
+        self.identity = self.pos_of_grank == list(range(self.n))
+        self.pg = _process_group(mesh, axes, tuple(members))
+
+
+def _process_group(mesh: Mesh, axes: tuple[str, ...], members: tuple[int, ...]) -> Any:
+    if len(axes) == 1:
+        return mesh.device_mesh.get_group(axes[0])
+    if len(members) == dist.get_world_size():
+        return dist.group.WORLD
+    key = (mesh, tuple(sorted(axes, key=mesh.axis_names.index)))
+    if key not in _groups:
+        _groups[key] = {tuple(sorted(g)): dist.new_group(sorted(g)) for g in mesh.groups(key[1])}
+    return _groups[key][members]
+
+
+def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.movedim(dim, 0).contiguous()
+
+
+def _exchange_lengths(g: _Group, length: int) -> list[int]:
+    """All members' lengths along a dim, by position (metadata: counted apart)."""
+    mine = torch.tensor([length], dtype=torch.int64)
+    out = torch.empty(g.n, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, mine, group=g.pg)
+    accounting.record_metadata({g.rank: 8 * (g.n - 1)})
+    by_grank = out.tolist()
+    lengths = [0] * g.n
+    for grank, value in enumerate(by_grank):
+        lengths[g.pos_of_grank[grank]] = int(value)
+    return lengths
+
+
+def all_gather(
+    mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dim: int, size: int | None, async_op: bool
+) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    lengths = chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[dim])
+    longest = max(lengths)
+    accounting.record(
+        "all_gather", axes, x, tuple(g.by_pos), {g.rank: accounting.all_gather_bytes(x, dim, longest, g.n)}
+    )
+    if g.n == 1:
+        return x.clone()
+    front = _front(x, dim)
+    if front.shape[0] < longest:
+        front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
+    out = front.new_empty((g.n * longest, *front.shape[1:]))
+    even = all(n == longest for n in lengths)
+    work = dist.all_gather_into_tensor(out, front, group=g.pg, async_op=async_op and even and g.identity)
+    if work is not None:
+        result = out.movedim(0, dim)
+        _pending[result.untyped_storage().data_ptr()] = work
+        return result
+    blocks = torch.split(out, longest)
+    by_pos = [blocks[grank][: lengths[g.pos_of_grank[grank]]] for grank in range(g.n)]
+    ordered = [by_pos[g.pos_of_grank.index(p)] for p in range(g.n)]
+    return torch.cat(ordered).movedim(0, dim)
+
+
+def reduce_scatter(
+    mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dim: int, op: str, async_op: bool
+) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    accounting.record(
+        "reduce_scatter", axes, x, tuple(g.by_pos), {g.rank: accounting.reduce_scatter_bytes(x, dim, g.n)}
+    )
+    if g.n == 1:
+        return x.clone() if op != "avg" else x / 1
+    front = _front(x, dim)
+    length = front.shape[0]
+    block = -(-length // g.n)
+    pieces = []
+    for grank in range(g.n):
+        start, stop = chunk_bounds(length, g.n, g.pos_of_grank[grank])
+        piece = front[start:stop]
+        if stop - start < block:
+            piece = torch.cat([piece, piece.new_zeros((block - (stop - start), *piece.shape[1:]))])
+        pieces.append(piece)
+    out = front.new_empty((block, *front.shape[1:]))
+    dist.reduce_scatter_tensor(out, torch.cat(pieces), op=_REDUCE[op], group=g.pg)
+    start, stop = chunk_bounds(length, g.n, g.pos)
+    result = out[: stop - start].movedim(0, dim)
+    return result / g.n if op == "avg" else result
+
+
+def all_reduce(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    accounting.record("all_reduce", axes, x, tuple(g.by_pos), {g.rank: accounting.all_reduce_bytes(x, g.n)})
+    out = x.clone()
+    if g.n == 1:
+        return out
+    work = dist.all_reduce(out, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg")
+    if work is not None:
+        _pending[out.untyped_storage().data_ptr()] = work
+        return out
+    return out / g.n if op == "avg" else out
+
+
+def all_to_all(
+    mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, split_dim: int, concat_dim: int, size: int | None
+) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    accounting.record(
+        "all_to_all",
+        axes,
+        x,
+        tuple(g.by_pos),
+        {g.rank: accounting.all_to_all_bytes(x, split_dim, g.n, g.pos)},
+    )
+    if g.n == 1:
+        return x.clone()
+    lengths = chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[concat_dim])
+    front = _front(x, split_dim)
+    send, send_sizes = [], []
+    for grank in range(g.n):
+        start, stop = chunk_bounds(front.shape[0], g.n, g.pos_of_grank[grank])
+        send.append(front[start:stop].reshape(-1))
+        send_sizes.append(send[-1].numel())
+    shapes = []  # each sender's block for me, in the front layout
+    for grank in range(g.n):
+        sender = list(x.shape)
+        sender[concat_dim] = lengths[g.pos_of_grank[grank]]
+        start, stop = chunk_bounds(sender[split_dim], g.n, g.pos)
+        sender[split_dim] = stop - start
+        shapes.append(torch.Size(sender))
+    recv_sizes = [math.prod(s) for s in shapes]
+    out = x.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, torch.cat(send), recv_sizes, send_sizes, group=g.pg)
+    blocks = torch.split(out, recv_sizes)
+    by_pos: list[torch.Tensor] = [x] * g.n
+    for grank in range(g.n):
+        moved = _moved_shape(shapes[grank], split_dim)
+        by_pos[g.pos_of_grank[grank]] = blocks[grank].reshape(moved).movedim(0, split_dim)
+    return torch.cat(by_pos, concat_dim)
+
+
+def _moved_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    return (shape[dim], *(n for d, n in enumerate(shape) if d != dim))
+
+
+def ppermute(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, perm: list[tuple[int, int]]) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    dsts = [d for s, d in perm if s == g.pos and d != g.pos]
+    srcs = [s for s, d in perm if d == g.pos and s != g.pos]
+    accounting.record("ppermute", axes, x, tuple(g.by_pos), {g.rank: accounting.p2p_bytes(x, bool(dsts))})
+    keeps = any(s == d == g.pos for s, d in perm)
+    out = x.clone() if keeps else torch.zeros_like(x)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), g.by_pos[d], g.pg) for d in dsts]
+    ops += [dist.P2POp(dist.irecv, out, g.by_pos[s], g.pg) for s in srcs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
+def broadcast(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, src: int) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    accounting.record(
+        "broadcast", axes, x, tuple(g.by_pos), {g.rank: accounting.broadcast_bytes(x, g.n, g.pos, src)}
+    )
+    out = x.clone()
+    if g.n > 1:
+        dist.broadcast(out, src=g.by_pos[src], group=g.pg)
+    return out
+
+
+def send(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dst: int) -> None:
+    g = _Group(mesh, axes)
+    accounting.record("send", axes, x, tuple(g.by_pos), {g.rank: accounting.p2p_bytes(x, True)})
+    dist.send(x.contiguous(), dst=g.by_pos[dst], group=g.pg)
+
+
+def recv(mesh: Mesh, axes: tuple[str, ...], out: torch.Tensor, src: int) -> torch.Tensor:
+    g = _Group(mesh, axes)
+    accounting.record("recv", axes, out, tuple(g.by_pos), {g.rank: 0})
+    dist.recv(out, src=g.by_pos[src], group=g.pg)
+    return out
+
+
+def wait(x: torch.Tensor) -> None:
+    """Complete an async collective whose output is (a view of) ``x``; no-op otherwise."""
+    work = _pending.pop(x.untyped_storage().data_ptr(), None)
+    if work is not None:
+        work.wait()
