@@ -16,7 +16,7 @@ import torch
 import collectives as C
 from shardspec import Mesh, P, device_slices, shard
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64)
 
 
 @dataclass(frozen=True)
