@@ -22,3 +22,12 @@ pieces = shard(x, mesh, P("dp", "tp"))
 print("local shapes by rank:", [local_shape(x.shape, mesh, P("dp", "tp"), r) for r in range(mesh.size)])
 assert torch.equal(unshard(pieces, mesh, P("dp", "tp")), x)
 print("unshard(shard(x)) == x")
+
+# Collectives over named axes: gather the tp-split columns back, counting the bytes each rank sends.
+import collectives  # noqa: E402
+
+pieces = shard(x, mesh, P(None, "tp"))
+with collectives.count_bytes() as counter:
+    gathered = collectives.all_gather(pieces, dim=1, axis="tp", mesh=mesh, size=6)
+assert all(torch.equal(g, x) for g in gathered)
+print(f"all_gather over tp: {counter.total_bytes_per_rank:.0f} bytes sent per rank (ring: phi * S)")
