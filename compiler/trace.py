@@ -1,0 +1,232 @@
+"""Stage 1: trace a step into one functional core-ATen graph over tensors of *global* shape.
+
+Arguments are flattened with optree; tensor leaves become graph inputs (fake tensors of the same shape
+and dtype, so nothing is computed), Python scalars are baked in as constants. The function runs under
+``functionalize`` so in-place ops on intermediates become out-of-place ops, and under
+``make_fx(tracing_mode="fake")`` with the core-ATen decompositions so later stages see a small op set.
+User mistakes that tracing exposes become ShardingErrors naming the argument path and the user's line:
+data-dependent Python control flow, in-place mutation of an argument, non-tensor leaves and results.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import optree
+import torch
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+
+from shardspec.errors import ShardingError, fail
+
+_STATIC = (int, float, bool, str, type(None))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (torch, optree)
+) + tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("compiler", "collectives", "shardspec"))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one graph input or output (global, before sharding)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced step: the graph plus how its flat inputs and outputs map to the user's pytrees."""
+
+    module: torch.fx.GraphModule
+    in_tree: optree.PyTreeSpec
+    out_tree: optree.PyTreeSpec
+    in_paths: tuple[str, ...]  # tensor inputs only, in graph placeholder order
+    out_paths: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    tensor_positions: tuple[int, ...]  # which flat argument leaves are tensors
+
+
+def path_str(root: str, path: Sequence[Any]) -> str:
+    """``params['w1'][0]``-style name of a pytree leaf."""
+    return root + "".join(f"[{k!r}]" for k in path)
+
+
+def arg_names(fn: Callable[..., Any], n: int) -> list[str]:
+    """Names of the first ``n`` positional parameters of ``fn`` (``args[i]`` where unknown)."""
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"args[{i}]" for i in range(n)]
+
+
+def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
+    """Trace ``fn(*args)`` into a functional core-ATen graph on global shapes."""
+    names = arg_names(fn, len(args))
+    paths, leaves, in_tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    leaf_paths = [path_str(names[p[0]], p[1:]) for p in paths]
+    positions = []
+    for i, (path, leaf) in enumerate(zip(leaf_paths, leaves, strict=True)):
+        if isinstance(leaf, torch.Tensor):
+            positions.append(i)
+        elif not isinstance(leaf, _STATIC):
+            raise fail(
+                f"{path}: a leaf of type {type(leaf).__name__} is neither a tensor nor a Python "
+                "scalar, so it cannot be traced.",
+                "pass it as a torch.Tensor, or close over it instead of passing it as an argument.",
+            )
+    tensor_leaves = [leaves[i] for i in positions]
+    out_info: dict[str, Any] = {}
+
+    def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        full = list(leaves)
+        for i, t in zip(positions, tensors, strict=True):
+            full[i] = t
+        result = fn(*optree.tree_unflatten(in_tree, full))
+        out_paths, out_leaves, out_tree = optree.tree_flatten_with_path(result, none_is_leaf=False)
+        out_info["tree"] = out_tree
+        out_info["paths"] = [path_str("result", p) for p in out_paths]
+        for p, leaf in zip(out_info["paths"], out_leaves, strict=True):
+            if not isinstance(leaf, torch.Tensor):
+                raise fail(
+                    f"{p}: the step returned a {type(leaf).__name__}, not a tensor.",
+                    "return tensors only (e.g. torch.tensor(value) or a 0-dim result).",
+                )
+        return list(out_leaves)
+
+    try:
+        module = make_fx(
+            torch.func.functionalize(flat_fn, remove="mutations_and_views"),
+            tracing_mode="fake",
+            decomposition_table=cast(Any, core_aten_decompositions()),
+        )(*tensor_leaves)
+    except ShardingError:
+        raise
+    except Exception as exc:
+        _raise_user_error(exc, fn)
+        raise
+    in_paths = tuple(leaf_paths[i] for i in positions)
+    _reject_argument_mutation(module, in_paths, fn, args)
+    outputs = tuple(
+        TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in _output_nodes(module)
+    )
+    return Traced(
+        module,
+        in_tree,
+        out_info["tree"],
+        in_paths,
+        tuple(out_info["paths"]),
+        tuple(TensorSpec(tuple(t.shape), t.dtype) for t in tensor_leaves),
+        outputs,
+        tuple(positions),
+    )
+
+
+def _output_nodes(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    out = next(n for n in module.graph.nodes if n.op == "output")
+    return list(out.args[0])
+
+
+def user_frame(tb: Any) -> str:
+    """``file:line: code`` of the innermost frame outside torch, optree and this library."""
+    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_LIBRARY_DIRS) and "<frozen" not in path:
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown line>"
+
+
+def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
+    text = f"{type(exc).__name__}: {exc}"
+    data_dependent = (
+        "data-dependent" in text
+        or "DataDependent" in text
+        or "_local_scalar_dense" in text
+        or "item()" in text
+    )
+    if data_dependent:
+        raise fail(
+            f"{getattr(fn, '__name__', 'step')}: Python control flow depends on tensor values at "
+            f"{user_frame(exc.__traceback__)}. The step is traced once on shapes only, so a branch "
+            "or loop on a tensor's value cannot be compiled.",
+            "compute both sides and select with torch.where, or move the decision out of the step "
+            "(pass it as a Python scalar argument).",
+        ) from None
+
+
+class _FindMutation(TorchFunctionMode):
+    """Eagerly finds the first in-place op on an argument, to name the user's line."""
+
+    def __init__(self, targets: dict[int, str]) -> None:
+        super().__init__()
+        self.targets = targets
+        self.found: tuple[str, str] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if (
+            self.found is None
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and id(args[0]) in self.targets
+            and (
+                (name.endswith("_") and not name.endswith("__"))
+                or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+            )
+        ):
+            self.found = (self.targets[id(args[0])], user_frame(None))
+        return func(*args, **(kwargs or {}))
+
+
+def _reject_argument_mutation(
+    module: torch.fx.GraphModule, in_paths: tuple[str, ...], fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    mutated = [
+        in_paths[placeholders.index(n.args[0])]
+        for n in module.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0] in placeholders
+    ]
+    if not mutated:
+        return
+    line = _mutation_line(fn, args)
+    raise fail(
+        f"{mutated[0]} is modified in place{f' at {line}' if line else ''}. A traced step must "
+        "be functional: arguments are read, new values are returned.",
+        "compute a new tensor (e.g. `w = w + 1` instead of `w.add_(1)`) and return it; "
+        "the caller rebinds it.",
+    )
+
+
+def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    paths, leaves, tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    names = arg_names(fn, len(args))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        targets = {
+            id(f): path_str(names[p[0]], p[1:])
+            for p, f in zip(paths, fakes, strict=True)
+            if isinstance(f, torch.Tensor)
+        }
+        finder = _FindMutation(targets)
+        try:
+            with finder:
+                fn(*optree.tree_unflatten(tree, fakes))
+        except Exception:
+            pass
+    return finder.found[1] if finder.found else None

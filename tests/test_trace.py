@@ -1,0 +1,83 @@
+"""compiler.trace: one functional core-ATen graph on global shapes, and the user errors tracing exposes."""
+
+import pytest
+import torch
+
+from compiler.trace import trace
+from shardspec import ShardingError
+
+P0 = {"w1": torch.randn(4, 8), "w2": torch.randn(8, 2)}
+X = torch.randn(3, 4)
+
+
+def loss_fn(params, x):
+    h = torch.nn.functional.gelu(x @ params["w1"])
+    return (h @ params["w2"]).pow(2).mean()
+
+
+def step(params, x, lr):
+    grads, loss = torch.func.grad_and_value(loss_fn)(params, x)
+    return {k: params[k] - lr * grads[k] for k in params}, loss
+
+
+def test_forward_backward_update_in_one_graph_on_global_shapes():
+    traced = trace(step, (P0, X, 0.1))
+    assert traced.in_paths == ("params['w1']", "params['w2']", "x")
+    assert traced.out_paths == ("result[0]['w1']", "result[0]['w2']", "result[1]")
+    assert [t.shape for t in traced.inputs] == [(4, 8), (8, 2), (3, 4)]
+    assert [t.shape for t in traced.outputs] == [(4, 8), (8, 2), ()]
+    targets = {str(n.target) for n in traced.module.graph.nodes if n.op == "call_function"}
+    assert "aten.mm.default" in targets
+    assert all(t.startswith("aten.") for t in targets), targets  # decomposed to ATen, no Python ops
+    assert not any(t.endswith("_.default") or "copy_" in t for t in targets)  # functional
+
+
+def test_graph_computes_the_step():
+    traced = trace(step, (P0, X, 0.1))
+    got = traced.module(P0["w1"], P0["w2"], X)
+    want_params, want_loss = step(P0, X, 0.1)
+    torch.testing.assert_close(got[0], want_params["w1"])
+    torch.testing.assert_close(got[2], want_loss)
+
+
+def test_inplace_on_intermediates_is_fine():
+    def f(x):
+        y = x.clone()
+        y.mul_(2)
+        return y.sum()
+
+    traced = trace(f, (X,))
+    torch.testing.assert_close(traced.module(X)[0], (X * 2).sum())
+
+
+def _msg(fn, args) -> str:
+    with pytest.raises(ShardingError) as info:
+        trace(fn, args)
+    assert "\nFix: " in str(info.value)
+    return str(info.value)
+
+
+def test_data_dependent_control_flow_names_the_line():
+    def branchy(x):
+        if x.sum() > 0:  # the offending line
+            return x
+        return -x
+
+    msg = _msg(branchy, (X,))
+    assert "depends on tensor values" in msg and "test_trace.py" in msg
+    assert "if x.sum() > 0:  # the offending line" in msg and "torch.where" in msg
+
+
+def test_argument_mutation_names_the_argument_and_line():
+    def mutating(params, x):
+        params["w1"].add_(1.0)  # mutates the caller's weight
+        return x.sum()
+
+    msg = _msg(mutating, (P0, X))
+    assert "params['w1'] is modified in place" in msg
+    assert 'params["w1"].add_(1.0)  # mutates the caller\'s weight' in msg
+
+
+def test_non_tensor_leaf_and_result():
+    assert "params['w1']: a leaf of type object" in _msg(lambda params: params["w1"], ({"w1": object()},))
+    assert "result[1]: the step returned a float" in _msg(lambda x: (x, 1.5), (X,))
