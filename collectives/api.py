@@ -72,7 +72,12 @@ def _check_tensor(kind: str, x: torch.Tensor, op: str | None = None) -> None:
 
 
 def _check_dim(kind: str, name: str, dim: int, x: torch.Tensor) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < max(x.dim(), 1):
+    if x.dim() == 0:
+        raise fail(
+            f"{kind}: a 0-dim tensor has no dim to split or join along ({name}={dim!r}).",
+            "reshape it to 1-dim first (x.reshape(1)), or use all_reduce.",
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise fail(
             f"{kind}: {name}={dim!r} is out of range for a tensor of shape {tuple(x.shape)}.",
             f"use a dim in {-x.dim()}..{x.dim() - 1}.",
@@ -199,7 +204,7 @@ def all_to_all(
         x,
         mesh,
         axes,
-        {"split_dim": sd, "concat_dim": cd},
+        {"split_dim": sd, "concat_dim": cd, "size": size},
         lambda t: torch.ops.shardspec.all_to_all(
             t, split_dim=sd, concat_dim=cd, axis=",".join(axes), mesh=key, size=-1 if size is None else size
         ),

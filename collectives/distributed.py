@@ -34,7 +34,7 @@ _REDUCE = {
 class _Group:
     """This rank's view of one communicating group."""
 
-    def __init__(self, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...], *, needs_group: bool = True) -> None:
         self.rank = mesh.rank
         self.by_pos = mesh.group_of(self.rank, axes)  # global ranks in axis order
         self.n = len(self.by_pos)
@@ -42,7 +42,7 @@ class _Group:
         members = sorted(self.by_pos)  # c10d order
         self.pos_of_grank = [self.by_pos.index(g) for g in members]
         self.identity = self.pos_of_grank == list(range(self.n))
-        self.pg = _process_group(mesh, axes, tuple(members))
+        self.pg = _process_group(mesh, axes, tuple(members)) if needs_group else None
 
 
 def _process_group(mesh: Mesh, axes: tuple[str, ...], members: tuple[int, ...]) -> Any:
@@ -84,6 +84,10 @@ def all_gather(
     )
     if g.n == 1:
         return x.clone()
+    if lengths[g.pos] != x.shape[dim]:
+        raise _size_mismatch("all_gather", dim, x, lengths, g)
+    if longest == 0:
+        return x.clone(memory_format=torch.contiguous_format)
     front = _front(x, dim)
     if front.shape[0] < longest:
         front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
@@ -129,7 +133,7 @@ def reduce_scatter(
 def all_reduce(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
     g = _Group(mesh, axes)
     accounting.record("all_reduce", axes, x, tuple(g.by_pos), {g.rank: accounting.all_reduce_bytes(x, g.n)})
-    out = x.clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     if g.n == 1:
         return out
     work = dist.all_reduce(out, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg")
@@ -153,6 +157,8 @@ def all_to_all(
     if g.n == 1:
         return x.clone()
     lengths = chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[concat_dim])
+    if lengths[g.pos] != x.shape[concat_dim]:
+        raise _size_mismatch("all_to_all", concat_dim, x, lengths, g)
     front = _front(x, split_dim)
     send, send_sizes = [], []
     for grank in range(g.n):
@@ -177,19 +183,32 @@ def all_to_all(
     return torch.cat(by_pos, concat_dim)
 
 
+def _size_mismatch(kind: str, dim: int, x: torch.Tensor, lengths: list[int], g: _Group) -> Exception:
+    from shardspec.errors import fail
+
+    return fail(
+        f"{kind}: this rank (position {g.pos}) holds {x.shape[dim]} along dim {dim}, but the "
+        f"given global size splits as {lengths} over the group.",
+        "pass size= the global length along that dim (or omit it).",
+    )
+
+
 def _moved_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
     return (shape[dim], *(n for d, n in enumerate(shape) if d != dim))
 
 
 def ppermute(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, perm: list[tuple[int, int]]) -> torch.Tensor:
-    g = _Group(mesh, axes)
+    g = _Group(mesh, axes, needs_group=False)
     dsts = [d for s, d in perm if s == g.pos and d != g.pos]
     srcs = [s for s, d in perm if d == g.pos and s != g.pos]
     accounting.record("ppermute", axes, x, tuple(g.by_pos), {g.rank: accounting.p2p_bytes(x, bool(dsts))})
     keeps = any(s == d == g.pos for s, d in perm)
-    out = x.clone() if keeps else torch.zeros_like(x)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), g.by_pos[d], g.pg) for d in dsts]
-    ops += [dist.P2POp(dist.irecv, out, g.by_pos[s], g.pg) for s in srcs]
+    fmt = torch.contiguous_format
+    out = x.clone(memory_format=fmt) if keeps else torch.zeros_like(x, memory_format=fmt)
+    # point to point uses global ranks on the world group: no per-group state that only some
+    # ranks would create
+    ops = [dist.P2POp(dist.isend, x.contiguous(), g.by_pos[d]) for d in dsts]
+    ops += [dist.P2POp(dist.irecv, out, g.by_pos[s]) for s in srcs]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -201,22 +220,22 @@ def broadcast(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, src: int) -> t
     accounting.record(
         "broadcast", axes, x, tuple(g.by_pos), {g.rank: accounting.broadcast_bytes(x, g.n, g.pos, src)}
     )
-    out = x.clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     if g.n > 1:
         dist.broadcast(out, src=g.by_pos[src], group=g.pg)
     return out
 
 
 def send(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dst: int) -> None:
-    g = _Group(mesh, axes)
-    accounting.record("send", axes, x, tuple(g.by_pos), {g.rank: accounting.p2p_bytes(x, True)})
-    dist.send(x.contiguous(), dst=g.by_pos[dst], group=g.pg)
+    members = mesh.group_of(mesh.rank, axes)
+    accounting.record("send", axes, x, tuple(members), {mesh.rank: accounting.p2p_bytes(x, True)})
+    dist.send(x.contiguous(), dst=members[dst])  # world group, global rank: see ppermute
 
 
 def recv(mesh: Mesh, axes: tuple[str, ...], out: torch.Tensor, src: int) -> torch.Tensor:
-    g = _Group(mesh, axes)
-    accounting.record("recv", axes, out, tuple(g.by_pos), {g.rank: 0})
-    dist.recv(out, src=g.by_pos[src], group=g.pg)
+    members = mesh.group_of(mesh.rank, axes)
+    accounting.record("recv", axes, out, tuple(members), {mesh.rank: 0})
+    dist.recv(out, src=members[src])
     return out
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.fx.node
 
-from collectives import distributed, simulated
+from collectives import accounting, distributed, simulated
 from shardspec.errors import fail
+from shardspec.layout import chunk_bounds
 from shardspec.mesh import Mesh
 
 _meshes: dict[str, Mesh] = {}
@@ -120,9 +121,7 @@ def _(x: torch.Tensor, *, axis: str, mesh: str, op: str = "sum", async_op: bool 
 def all_to_all(
     x: torch.Tensor, *, split_dim: int, concat_dim: int, axis: str, mesh: str, size: int = -1
 ) -> torch.Tensor:
-    params: dict[str, Any] = {"split_dim": split_dim, "concat_dim": concat_dim}
-    if not mesh_of(mesh).simulated:
-        params["size"] = _opt(size)
+    params: dict[str, Any] = {"split_dim": split_dim, "concat_dim": concat_dim, "size": _opt(size)}
     return _run("all_to_all", x, mesh, axis, **params)
 
 
@@ -163,7 +162,9 @@ def send(x: torch.Tensor, *, axis: str, dst: int, mesh: str) -> None:
     m, axes = mesh_of(mesh), _axes(axis)
     if m.simulated:
         world, rank = _sim_context("send", m)
-        world.send(rank, m.group_of(rank, axes)[dst], x)
+        group = m.group_of(rank, axes)
+        accounting.record("send", axes, x, tuple(group), {rank: accounting.p2p_bytes(x, True)})
+        world.send(rank, group[dst], x)
         return
     distributed.send(m, axes, x, dst)
 
@@ -173,9 +174,6 @@ def _(x: torch.Tensor, *, axis: str, dst: int, mesh: str) -> None:
     return None
 
 
-torch.fx.node._side_effectful_functions.add(torch.ops.shardspec.send.default)
-
-
 @torch.library.custom_op("shardspec::recv", mutates_args=())
 def recv(
     *, shape: list[int], dtype: torch.dtype, device: torch.device, axis: str, src: int, mesh: str
@@ -183,7 +181,9 @@ def recv(
     m, axes = mesh_of(mesh), _axes(axis)
     if m.simulated:
         world, rank = _sim_context("recv", m)
-        got = world.recv(rank, m.group_of(rank, axes)[src])
+        group = m.group_of(rank, axes)
+        got = world.recv(rank, group[src])
+        accounting.record("recv", axes, got, tuple(group), {rank: 0})
         if list(got.shape) != list(shape) or got.dtype != dtype:
             raise fail(
                 f"recv on rank {rank}: expected {tuple(shape)} {dtype}, the sender sent "
@@ -200,6 +200,29 @@ def _(
 ) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
+
+@torch.library.custom_op("shardspec::local_slice", mutates_args=())
+def local_slice(x: torch.Tensor, *, dim: int, axis: str, mesh: str) -> torch.Tensor:
+    """This rank's torch.chunk block of ``dim`` over ``axis``: Replicate -> Shard, no communication."""
+    m, axes = mesh_of(mesh), _axes(axis)
+    if m.simulated:
+        _, rank = _sim_context("local_slice", m)
+    else:
+        rank = m.rank
+    start, stop = chunk_bounds(x.shape[dim], m.axis_size(axes), m.axis_index(rank, axes))
+    return x.narrow(dim, start, stop - start).clone()
+
+
+@local_slice.register_fake
+def _(x: torch.Tensor, *, dim: int, axis: str, mesh: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = -(-shape[dim] // mesh_of(mesh).axis_size(_axes(axis)))
+    return x.new_empty(shape)
+
+
+# point-to-point ops pair up across ranks: never drop one as dead code
+torch.fx.node._side_effectful_functions.add(torch.ops.shardspec.send.default)
+torch.fx.node._side_effectful_functions.add(torch.ops.shardspec.recv.default)
 
 _lib = torch.library.Library("shardspec", "FRAGMENT")  # type: ignore[no-untyped-call]
 _lib.define("wait(Tensor(a) x) -> Tensor(a)")  # type: ignore[no-untyped-call]

@@ -165,9 +165,26 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
                 ) from None
             continue
         if status == "error":
-            raise DistributedTestError(f"rank {rank} raised:\n{payload}")
+            raise DistributedTestError(_all_errors(results, {rank: payload}))
         done[rank] = pickle.loads(payload)
     return [done[r] for r in range(world_size)]
+
+
+def _all_errors(results: Any, errors: dict[int, str]) -> str:
+    """Every traceback the ranks send within a second: the first one to arrive is often only a
+    peer's 'connection closed', the root cause comes from another rank."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors.setdefault(rank, payload)
+    def weight(item: tuple[int, str]) -> tuple[bool, int]:
+        return ("Connection closed" in item[1] or "Connection reset" in item[1], item[0])
+    ordered = sorted(errors.items(), key=weight)
+    return "\n".join(f"rank {r} raised:\n{tb}" for r, tb in ordered)
 
 
 def _drain_error(results: Any) -> None:

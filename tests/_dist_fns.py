@@ -114,3 +114,28 @@ def async_and_p2p(rank: int, world: int) -> dict[str, object]:
     else:
         got = C.recv((4, 2), torch.float32, axis="pp", src=0, mesh=mesh)
     return {"gathered": gathered, "reduced": reduced, "got": got}
+
+
+def review_regressions(rank: int, world: int) -> dict[str, object]:
+    """Edge cases found in review: empty gathers, odd strides, p2p over an axis tuple first."""
+    import collectives as C
+    from shardspec import Mesh, ShardingError
+
+    mesh = Mesh({"a": 2, "b": 2})
+    out: dict[str, object] = {}
+    # p2p over a tuple of axes before any collective on that tuple (no lazy group creation)
+    if rank == 0:
+        C.send(torch.full((2,), 7.0), axis=("a", "b"), dst=3, mesh=mesh)
+    if rank == 3:
+        out["recv"] = C.recv((2,), torch.float32, axis=("a", "b"), src=0, mesh=mesh)
+    out["empty"] = C.all_gather(torch.zeros(0, 3), dim=0, axis="b", mesh=mesh)
+    base = torch.arange(6.0).reshape(2, 3) + rank
+    odd = base if rank % 2 == 0 else base.t().contiguous().t()  # same values, column-major
+    out["all_reduce"] = C.all_reduce(odd, axis="b", mesh=mesh)
+    out["broadcast"] = C.broadcast(odd, axis="b", src=1, mesh=mesh)
+    out["ppermute"] = C.ppermute(odd, axis="b", perm=[(0, 1), (1, 0)], mesh=mesh)
+    try:
+        C.all_gather(torch.zeros(2, 3), dim=0, axis="b", mesh=mesh, size=9)  # 5 + 4: no member has 2
+    except ShardingError as e:
+        out["size_error"] = str(e)
+    return out

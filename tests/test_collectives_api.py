@@ -202,3 +202,23 @@ def test_error_messages():
     assert "global size of 9 over 4 devices" in _err(
         lambda: C.all_gather(pieces, dim=0, axis="tp", mesh=MESH, size=9)
     )
+
+
+def test_zero_dim_tensor_has_no_dim_to_gather():
+    msg = _err(lambda: C.all_gather([torch.tensor(1.0)] * 8, dim=0, axis="tp", mesh=MESH))
+    assert "0-dim tensor" in msg and "all_reduce" in msg
+
+
+def test_simulated_send_recv_are_counted_like_real_ones():
+    mesh = Mesh({"pp": 2}, simulate=True)
+
+    def body(rank):
+        with C.count_bytes() as c:
+            if rank == 0:
+                C.send(torch.ones(3), axis="pp", dst=1, mesh=mesh)
+            else:
+                C.recv((3,), torch.float32, axis="pp", src=0, mesh=mesh)
+        return [(r.kind, dict(r.bytes_by_rank)) for r in c.records if r.kind in ("send", "recv")]
+
+    sends = [rec for recs in C.run_simulated(body, mesh) for rec in recs]
+    assert ("send", {0: 12}) in sends and ("recv", {1: 0}) in sends

@@ -51,3 +51,17 @@ def test_async_wait_and_send_recv_on_gloo():
         assert torch.equal(r["gathered"], want)
         assert torch.equal(r["reduced"], torch.ones(4, 2))
     assert torch.equal(r1["got"], torch.full((4, 2), 10.0))
+
+
+def test_review_regressions_on_gloo():
+    results = run_distributed(fns.review_regressions, 4, timeout=60)
+    assert torch.equal(results[3]["recv"], torch.full((2,), 7.0))
+    for rank, r in enumerate(results):
+        assert r["empty"].shape == (0, 3)
+        partner = rank ^ 1  # the other member of this rank's 'b' group
+        a, b = sorted((rank, partner))
+        want_sum = torch.arange(6.0).reshape(2, 3) * 2 + a + b
+        assert torch.equal(r["all_reduce"], want_sum)
+        assert torch.equal(r["broadcast"], torch.arange(6.0).reshape(2, 3) + b)
+        assert torch.equal(r["ppermute"], torch.arange(6.0).reshape(2, 3) + partner)
+        assert "holds 2 along dim 0" in r["size_error"]
