@@ -11,25 +11,47 @@ data-dependent Python control flow, in-place mutation of an argument, non-tensor
 from __future__ import annotations
 
 import inspect
-import os
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import optree
 import torch
+import torch.fx.traceback as fxt
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
+from compiler.sources import BackwardSources, SourceTracker, user_frame
 from shardspec.errors import ShardingError, fail
 
 _STATIC = (int, float, bool, str, type(None))
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (torch, optree)
-) + tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("compiler", "collectives", "shardspec"))
+aten = torch.ops.aten
+
+
+def _mean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
+    """mean as sum / global count, so a split reduction dim still divides by the global size."""
+    dims = list(range(x.dim())) if dim in (None, []) else [d % x.dim() for d in dim]
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    return torch.sum(x, dims, keepdim, dtype=dtype) / count
+
+
+def _addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+) -> torch.Tensor:
+    """addmm as mm + add, so a split contraction dim leaves a pending sum the bias does not join."""
+    out = torch.mm(a, b)
+    out = out * alpha if alpha != 1 else out
+    return out + (bias * beta if beta != 1 else bias)
+
+
+_EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.mean.dim: _mean,
+    aten.mean.default: lambda x, *, dtype=None: _mean(x, dtype=dtype),
+    aten.addmm.default: _addmm,
+}
 
 
 @dataclass(frozen=True)
@@ -107,11 +129,7 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
         return list(out_leaves)
 
     try:
-        module = make_fx(
-            torch.func.functionalize(flat_fn, remove="mutations_and_views"),
-            tracing_mode="fake",
-            decomposition_table=cast(Any, core_aten_decompositions()),
-        )(*tensor_leaves)
+        module = _functional_graph(flat_fn, tensor_leaves)
     except ShardingError:
         raise
     except Exception as exc:
@@ -134,19 +152,33 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
     )
 
 
+def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+    """Trace with user source lines, then functionalize the traced graph.
+
+    Two passes because autograd.Function (used by ``constrain``) cannot run under functionalize
+    while autograd is being traced; the second pass replays the first graph through an
+    fx.Interpreter, which carries every node's source line over to the nodes it becomes.
+    """
+    decomp = cast(Any, core_aten_decompositions())
+    decomp.update(_EXTRA_DECOMPOSITIONS)
+
+    def with_sources(*tensors: torch.Tensor) -> Any:
+        with SourceTracker(), BackwardSources():  # type: ignore[no-untyped-call]
+            return flat_fn(*tensors)
+
+    with fxt.preserve_node_meta():
+        first = make_fx(with_sources, tracing_mode="fake", decomposition_table=decomp)(*inputs)
+        replay = torch.fx.Interpreter(first).run
+        return make_fx(
+            torch.func.functionalize(replay, remove="mutations_and_views"),
+            tracing_mode="fake",
+            decomposition_table=decomp,
+        )(*inputs)
+
+
 def _output_nodes(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
     out = next(n for n in module.graph.nodes if n.op == "output")
     return list(out.args[0])
-
-
-def user_frame(tb: Any) -> str:
-    """``file:line: code`` of the innermost frame outside torch, optree and this library."""
-    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_LIBRARY_DIRS) and "<frozen" not in path:
-            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return "<unknown line>"
 
 
 def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:

@@ -5,6 +5,8 @@ that says which slice each device holds, DTensor placement conversion and a text
 sharding.
 """
 
+from compiler import Lowered, constrain, sharded, value_and_grad
+from shardspec import optim
 from shardspec.errors import ShardingError
 from shardspec.layout import (
     chunk_bounds,
@@ -23,17 +25,22 @@ from shardspec.visualize import visualize
 __version__ = "0.1.0"
 
 __all__ = [
+    "Lowered",
     "Mesh",
     "P",
     "ShardingError",
     "chunk_bounds",
     "chunk_sizes",
+    "constrain",
     "device_slices",
     "is_even",
     "local_shape",
+    "optim",
     "placements_to_spec",
     "shard",
+    "sharded",
     "spec_to_placements",
     "unshard",
+    "value_and_grad",
     "visualize",
 ]

@@ -181,8 +181,10 @@ def _all_errors(results: Any, errors: dict[int, str]) -> str:
             continue
         if status == "error":
             errors.setdefault(rank, payload)
+
     def weight(item: tuple[int, str]) -> tuple[bool, int]:
         return ("Connection closed" in item[1] or "Connection reset" in item[1], item[0])
+
     ordered = sorted(errors.items(), key=weight)
     return "\n".join(f"rank {r} raised:\n{tb}" for r, tb in ordered)
 

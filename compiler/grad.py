@@ -1,0 +1,66 @@
+"""``value_and_grad``: loss and gradients in one traced step, with optional gradient accumulation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from shardspec.errors import fail
+
+
+def value_and_grad(
+    fn: Callable[..., torch.Tensor], argnums: int | Sequence[int] = 0, *, microbatches: int | None = None
+) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """``(loss, grads)`` of a scalar ``fn`` with respect to argument(s) ``argnums``.
+
+    With ``microbatches=m`` every tensor argument not differentiated is split into ``m`` chunks along
+    dim 0, and the loss and gradients are the mean over chunks (gradient accumulation: the chunks'
+    gradients add up as pending sums and are reduced once per step).
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    grad_fn = torch.func.grad_and_value(fn, argnums=argnums if isinstance(argnums, int) else nums)
+
+    def run(*args: Any) -> tuple[torch.Tensor, Any]:
+        if microbatches is None or microbatches == 1:
+            grads, loss = grad_fn(*args)
+            return loss, grads
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise fail(
+                f"value_and_grad(microbatches={microbatches!r}) must be a positive int.",
+                "pass the number of chunks to split the batch into.",
+            )
+        chunks = []
+        for i, a in enumerate(args):
+            if i in nums:
+                chunks.append([a] * microbatches)
+                continue
+            chunks.append(_split(a, microbatches, i))
+        total_loss, total_grads = None, None
+        for k in range(microbatches):
+            grads, loss = grad_fn(*(c[k] for c in chunks))
+            total_loss = loss if total_loss is None else total_loss + loss
+            total_grads = grads if total_grads is None else optree.tree_map(torch.add, total_grads, grads)
+        assert total_loss is not None and total_grads is not None
+        return total_loss / microbatches, optree.tree_map(lambda g: g / microbatches, total_grads)
+
+    return run
+
+
+def _split(arg: Any, m: int, position: int) -> list[Any]:
+    leaves, tree = optree.tree_flatten(arg, none_is_leaf=False)
+    per_leaf = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % m:
+                raise fail(
+                    f"value_and_grad: argument {position} has a leaf of shape {tuple(leaf.shape)}"
+                    f", whose dim 0 does not split into {m} microbatches.",
+                    f"use a batch size divisible by {m}.",
+                )
+            per_leaf.append(list(leaf.chunk(m)))
+        else:
+            per_leaf.append([leaf] * m)
+    return [optree.tree_unflatten(tree, [p[k] for p in per_leaf]) for k in range(m)]

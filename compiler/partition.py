@@ -1,0 +1,192 @@
+"""Stage 4: the per-rank program.
+
+Walks the global graph in order and emits, for one rank, the same ops on local shards: each operand
+is first brought to the sharding its op requires by the reshard plan (collectives and local slices,
+memoized per value and target so a value is gathered or reduced once), shape arguments become this
+rank's local shapes, and ``*_like`` creation ops become ``full`` of the local shape. Every inserted
+collective records what it moves, why (which op needed which sharding of which value) and the user
+line. Uneven shards give ranks different local shapes, so the program is built per rank; its
+collective sequence is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from collectives.ops import mesh_key
+from compiler.propagate import CONSTRAIN, Propagation, shape
+from compiler.reshard import Step, plan
+from compiler.sharding import Sharding
+from compiler.sources import source_of
+from shardspec.layout import local_shape
+from shardspec.mesh import Mesh
+
+aten = torch.ops.aten
+_SIZE_ARG = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.view_copy.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.expand_copy.default,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+}
+_LIKE = {
+    aten.full_like.default: None,
+    aten.zeros_like.default: 0,
+    aten.ones_like.default: 1,
+    aten.empty_like.default: 0,
+}
+_OPS = {
+    "all_reduce": "all_reduce",
+    "reduce_scatter": "reduce_scatter",
+    "all_gather": "all_gather",
+    "all_to_all": "all_to_all",
+    "slice": "local_slice",
+}
+
+
+@dataclass(frozen=True)
+class Inserted:
+    """One collective the partitioner inserted."""
+
+    kind: str
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes_per_rank: float
+    reason: str
+    source: str
+    node: str
+
+
+def value_name(n: Node, names: dict[Node, str]) -> str:
+    if n in names:
+        return names[n]
+    where = source_of(n)
+    return f"{n.name}" + (f" (from {where})" if where else "")
+
+
+class _Partitioner:
+    def __init__(
+        self, module: GraphModule, prop: Propagation, mesh: Mesh, rank: int, input_names: list[str]
+    ) -> None:
+        self.src, self.prop, self.mesh, self.rank = module, prop, mesh, rank
+        self.graph = Graph()
+        self.env: dict[Node, Node] = {}
+        self.memo: dict[tuple[Node, Sharding], Node] = {}
+        self.inserted: list[Inserted] = []
+        self.key = mesh_key(mesh)
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        self.names = dict(zip(placeholders, input_names, strict=True))
+
+    def local(self, global_shape: tuple[int, ...], s: Sharding) -> tuple[int, ...]:
+        return local_shape(global_shape, self.mesh, s.spec, self.rank) if global_shape else ()
+
+    def reshard(self, value: Node, target: Sharding, consumer: str, source: str) -> Node:
+        current = self.prop.value[value]
+        if current == target:
+            return self.env[value]
+        if (value, target) in self.memo:
+            return self.memo[(value, target)]
+        x = self.env[value]
+        gshape, dtype = shape(value), value.meta["val"].dtype
+        for step in plan(gshape, dtype, current, target, self.mesh):
+            x = self.emit(step, x)
+            if step.kind != "slice":
+                reason = f"{consumer} needs {value_name(value, self.names)} as {target}; it is {current}"
+                self.inserted.append(
+                    Inserted(
+                        step.kind,
+                        step.axes,
+                        step.local_shape,
+                        dtype,
+                        step.bytes_per_rank,
+                        reason,
+                        source,
+                        x.name,
+                    )
+                )
+                x.meta["shardspec_reason"], x.meta["shardspec_source"] = reason, source
+        self.memo[(value, target)] = x
+        return x
+
+    def emit(self, step: Step, x: Node) -> Node:
+        kwargs: dict[str, Any] = {"axis": ",".join(step.axes), "mesh": self.key}
+        if step.kind in ("reduce_scatter", "all_gather", "slice"):
+            kwargs["dim"] = step.dim
+        if step.kind == "all_gather":
+            kwargs["size"] = step.size
+        if step.kind == "all_to_all":
+            kwargs.update(split_dim=step.dim, concat_dim=step.dim2, size=step.size)
+        op = getattr(torch.ops.shardspec, _OPS[step.kind]).default
+        return self.graph.call_function(op, (x,), kwargs)
+
+    def run(self) -> tuple[GraphModule, list[Inserted]]:
+        root = torch.nn.Module()
+        for node in self.src.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.graph.placeholder(node.name)
+            elif node.op == "get_attr":
+                setattr(root, node.target, getattr(self.src, node.target))
+                self.env[node] = self.graph.get_attr(node.target)
+            elif node.op == "call_function":
+                self.call(node)
+            elif node.op == "output":
+                outs = []
+                for v, s in zip(node.args[0], self.prop.outputs, strict=True):
+                    outs.append(self.reshard(v, s, "the step's result", source_of(v)))
+                self.graph.output(tuple(outs))
+        return GraphModule(root, self.graph), self.inserted
+
+    def call(self, node: Node) -> None:
+        if node.target is operator.getitem:
+            src, idx = node.args
+            assert isinstance(src, Node)
+            self.env[node] = self.graph.call_function(operator.getitem, (self.env[src], idx))
+            return
+        p = self.prop.plans[node]
+        where = source_of(node)
+        op_name = str(node.target).replace("aten.", "").replace(".default", "")
+        mapped = {
+            o: self.reshard(o, r, f"{op_name} (rule {p.rule.text})", where)
+            for o, r in zip(p.operands, p.required, strict=True)
+        }
+        if node.target is CONSTRAIN:
+            self.env[node] = mapped[node.args[0]]  # type: ignore[index]
+            return
+        out = p.outputs[0]
+        lshape = self.local(shape(node), out) if len(p.outputs) == 1 else None
+        if node.target in _LIKE:
+            fill = node.args[1] if _LIKE[node.target] is None else _LIKE[node.target]
+            val = node.meta["val"]
+            self.env[node] = self.graph.call_function(
+                aten.full.default, (list(lshape or ()), fill), {"dtype": val.dtype, "device": val.device}
+            )
+            return
+        args = [mapped.get(a, self.env.get(a, a)) if isinstance(a, Node) else a for a in node.args]
+        if node.target in _SIZE_ARG and lshape is not None:
+            args[
+                1
+                if node.target
+                not in (aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
+                else 0
+            ] = list(lshape)
+        kwargs = {k: (self.env[v] if isinstance(v, Node) else v) for k, v in node.kwargs.items()}
+        assert callable(node.target)
+        self.env[node] = self.graph.call_function(node.target, tuple(args), kwargs)
+
+
+def partition(
+    module: GraphModule, prop: Propagation, mesh: Mesh, rank: int, input_names: list[str]
+) -> tuple[GraphModule, list[Inserted]]:
+    """The program rank ``rank`` runs, and the collectives inserted into it."""
+    return _Partitioner(module, prop, mesh, rank, input_names).run()

@@ -1,0 +1,212 @@
+"""Rule builders: render the one-line rule of a shape-polymorphic op from its node's shapes.
+
+Every builder returns ``(rule line, linearity, tensor operands)``; the registry parses the line. The
+operands are the node's tensor arguments the rule covers (creation ops such as ``full_like`` read only
+their argument's shape, so they have none).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch.fx import Node
+
+from compiler.rules.notation import letters, line
+
+Built = tuple[str, str, list[Node]]
+
+
+def arg(node: Node, i: int, default: Any = None) -> Any:
+    """Positional argument ``i`` of ``node`` (fx types arguments loosely)."""
+    return node.args[i] if len(node.args) > i else default
+
+
+def shape_of(n: Any) -> tuple[int, ...]:
+    return tuple(n.meta["val"].shape)
+
+
+def tensor_args(node: Node) -> list[Node]:
+    return [a for a in node.args if isinstance(a, Node)]
+
+
+def elementwise(node: Node, linear: str) -> Built:
+    """Broadcasting elementwise op: operand dims align from the right with the output's."""
+    operands = tensor_args(node)
+    out = shape_of(node)
+    names = letters(len(out))
+    tokens = []
+    for op in operands:
+        s = shape_of(op)
+        off = len(out) - len(s)
+        tokens.append([names[off + j] if s[j] == out[off + j] else "1" for j in range(len(s))])
+    return line(tokens, [names]), linear, operands
+
+
+def binary_arith(node: Node, all_tensor_linear: str) -> Built:
+    """add/sub/mul/div: a Python scalar operand changes linearity (x + c is not linear in x)."""
+    scalars = [a for a in node.args[1:2] if not isinstance(a, Node)]
+    if scalars:
+        target = str(node.target)
+        lin = "one" if ("mul" in target) else "first" if ("div" in target) else "none"
+        return elementwise(node, lin)
+    return elementwise(node, all_tensor_linear)
+
+
+def reduction(node: Node, kind: str) -> Built:
+    """sum / amax-style reductions over ``dims`` (all dims when absent), with keepdim."""
+    x = node.args[0]
+    assert isinstance(x, Node)
+    shape = shape_of(x)
+    dims = arg(node, 1)
+    keep = bool(arg(node, 2, node.kwargs.get("keepdim", False)))
+    reduced = (
+        set(range(len(shape)))
+        if dims in (None, [])
+        else {d % max(len(shape), 1) for d in (dims if isinstance(dims, Sequence) else [dims])}
+    )
+    names = letters(len(shape))
+    mark = "!" if kind == "max" else ""
+    ins = [n + (mark if i in reduced else "") for i, n in enumerate(names)]
+    outs = [("1" if keep else None) if i in reduced else n for i, n in enumerate(names)]
+    return line([ins], [[o for o in outs if o is not None]]), "one" if kind == "sum" else "none", [x]
+
+
+def permute(node: Node) -> Built:
+    x = node.args[0]
+    assert isinstance(x, Node)
+    n = len(shape_of(x))
+    names = letters(n)
+    target = str(node.target)
+    if "permute" in target:
+        order = [d % n for d in arg(node, 1)]
+    elif "transpose" in target:
+        a, b = int(arg(node, 1)) % n, int(arg(node, 2)) % n
+        order = list(range(n))
+        order[a], order[b] = order[b], order[a]
+    else:  # t
+        order = list(reversed(range(n)))
+    return line([names], [[names[i] for i in order]]), "one", [x]
+
+
+def view(node: Node) -> Built:
+    """view/reshape/squeeze/unsqueeze: dims grouped by equal products; splits and merges become
+    compound factors ``(a b)``; groups that both split and merge keep their factors replicated."""
+    x = node.args[0]
+    assert isinstance(x, Node)
+    src, dst = shape_of(x), shape_of(node)
+    ins: list[str] = []
+    outs: list[str] = []
+    i = j = 0
+    counter = 0
+
+    def fresh() -> str:
+        nonlocal counter
+        counter += 1
+        return f"f{counter}"
+
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            ins.append("1")
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            outs.append("1")
+            j += 1
+            continue
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+        if len(gi) == 1 and len(gj) == 1:
+            f = fresh()
+            ins.append(f)
+            outs.append(f)
+        elif len(gi) == 1:  # split
+            fs = [fresh() for _ in gj]
+            ins.append("(" + " ".join(fs) + ")")
+            outs.extend(fs)
+        elif len(gj) == 1:  # merge
+            fs = [fresh() for _ in gi]
+            ins.extend(fs)
+            outs.append("(" + " ".join(fs) + ")")
+        else:
+            ins.extend(fresh() + "!" for _ in gi)
+            outs.extend(fresh() + "!" for _ in gj)
+    assert math.prod(src) == math.prod(dst)
+    return line([ins], [outs]), "one", [x]
+
+
+def expand(node: Node) -> Built:
+    x = node.args[0]
+    assert isinstance(x, Node)
+    src, dst = shape_of(x), shape_of(node)
+    names = letters(len(dst))
+    off = len(dst) - len(src)
+    ins = [names[off + k] if src[k] == dst[off + k] else "1" for k in range(len(src))]
+    return line([ins], [names]), "one", [x]
+
+
+def creation(node: Node) -> Built:
+    """full / zeros / scalar_tensor / *_like: no tensor operand; any output split is a local fill."""
+    return line([], [letters(len(shape_of(node)))]), "none", []
+
+
+def positional(node: Node) -> Built:
+    """arange and friends: values depend on the position, so the output stays replicated."""
+    return line([], [[n + "!" for n in letters(len(shape_of(node)))]]), "none", []
+
+
+def softmax_like(node: Node, operands: int, linear: str) -> Built:
+    """_log_softmax / _softmax (and their backward): the softmax dim stays replicated."""
+    xs = tensor_args(node)[:operands]
+    shape = shape_of(xs[0])
+    dim = int(arg(node, operands)) % len(shape)
+    names = [n + ("!" if k == dim else "") for k, n in enumerate(letters(len(shape)))]
+    return line([names] * operands, [names]), linear, xs
+
+
+def gather(node: Node) -> Built:
+    x, idx = arg(node, 0), arg(node, 2)
+    dim = int(arg(node, 1)) % len(shape_of(x))
+    assert isinstance(x, Node) and isinstance(idx, Node)
+    xs, ids = shape_of(x), shape_of(idx)
+    xt, it = [], []
+    for k in range(len(xs)):
+        if k != dim and xs[k] == ids[k]:
+            xt.append(f"d{k}")
+            it.append(f"d{k}")
+        else:
+            xt.append(f"x{k}!")
+            it.append(f"i{k}" + ("!" if k != dim else ""))
+    return line([xt, it], [it]), "first", [x, idx]
+
+
+def scatter(node: Node) -> Built:
+    x, idx = arg(node, 0), arg(node, 2)
+    dim = int(arg(node, 1)) % len(shape_of(x))
+    assert isinstance(x, Node) and isinstance(idx, Node)
+    src = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], Node) else None
+    xs, ids = shape_of(x), shape_of(idx)
+    xt, it = [], []
+    for k in range(len(xs)):
+        if k != dim and xs[k] == ids[k]:
+            xt.append(f"d{k}")
+            it.append(f"d{k}")
+        else:
+            xt.append(f"x{k}!")
+            it.append(f"i{k}!")
+    operands, tokens = [x, idx], [xt, it]
+    if src is not None:
+        operands.append(src)
+        tokens.append(it)
+    return line(tokens, [xt]), "none", operands
