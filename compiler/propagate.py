@@ -8,7 +8,8 @@ partial sum; bytes to reshard the operands and then the output to its want; coll
 of values earlier ops already moved; then more split factors). Wants do not cross contractions: a
 gradient's layout says nothing reliable about the activations that made it. A Partial operand stays
 pending through a linear op unless another consumer must see it reduced (then it is reduced here,
-once, and reused) or its reduced form already exists. Whether a consumer can take a pending value
+once, and reused), its reduced form already exists, or the op would enlarge it (reducing the smaller
+value sends fewer bytes). Whether a consumer can take a pending value
 depends on its other operands, so the sweeps repeat until the set of values seen Partial stops
 growing. Placeholders, constraints and outputs are fixed.
 """
@@ -58,6 +59,11 @@ class Propagation:
 def _node(a: Any) -> Node:
     assert isinstance(a, Node), a
     return a
+
+
+def _numel(n: Node) -> int:
+    v = n.meta["val"]
+    return int(v.numel()) if isinstance(v, torch.Tensor) else 0
 
 
 def shape(n: Node) -> tuple[int, ...]:
@@ -115,6 +121,17 @@ class _Propagator:
                 self.result.notes.append(f"replicated fallback for {node.target} ({source_of(node)})")
         return self.rules[node]
 
+    def constraint(self, node: Node) -> Sharding:
+        """The sharding a ``constrain`` node pins, checked against the mesh."""
+        spec = decode(str(node.kwargs["spec"]))
+        where = source_of(node)
+        if where.startswith("backward of "):
+            where = where[len("backward of ") :]
+        spec.validate(
+            self.mesh, len(shape(node)), name=f"constrain at {where or node.name}", shape=shape(node)
+        )
+        return Sharding.of(spec, len(shape(node)))
+
     # ---- backward sweep: wants -------------------------------------------------------------
     def sweep_wants(self) -> None:
         nodes = list(self.graph.nodes)
@@ -126,7 +143,7 @@ class _Propagator:
             if node.op != "call_function":
                 continue
             if node.target is CONSTRAIN:
-                fixed = Sharding.of(decode(str(node.kwargs["spec"])), len(shape(node))).dims
+                fixed = self.constraint(node).dims
                 self.want[node] = fixed
                 self.want.setdefault(_node(node.args[0]), fixed)
                 continue
@@ -167,7 +184,7 @@ class _Propagator:
 
     def visit(self, node: Node) -> None:
         if node.target is CONSTRAIN:
-            fixed = Sharding.of(decode(str(node.kwargs["spec"])), len(shape(node)))
+            fixed = self.constraint(node)
             rule = parse(
                 " ".join(f"c{i}" for i in range(len(fixed.dims)))
                 + " -> "
@@ -313,6 +330,8 @@ class _Propagator:
             return {}
         if rule.linear == "first" and ok[0] != 0:
             return {}
+        if _numel(node) > _numel(operands[ok[0]]):
+            return {}  # the pending sum would grow: reducing the operand now sends fewer bytes
         return {ok[0]: current[ok[0]].partial}
 
     def must_reduce_now(self, value: Node, consumer: Node) -> bool:

@@ -139,3 +139,34 @@ def review_regressions(rank: int, world: int) -> dict[str, object]:
     except ShardingError as e:
         out["size_error"] = str(e)
     return out
+
+
+def train_mlp_steps(rank: int, world: int, strategy: str, steps: int) -> dict[str, object]:
+    """Run ``steps`` AdamW steps of the example MLP under a strategy's specs on a real mesh."""
+    import collectives as C
+    from examples.models import mlp
+    from shardspec import Mesh, P, optim, sharded
+    from tests.mlp_strategies import batch, specs
+
+    opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+    step = mlp.make_step(opt)
+    axes, pspec, sspec, bspec = specs(strategy, opt)
+    mesh = Mesh(axes)
+    params = mlp.init(8, 16, 4)
+    state = opt.init(params)
+    f = sharded(step, mesh=mesh, in_specs=(pspec, sspec, bspec, bspec), out_specs=(pspec, sspec, P()))
+    losses, sent, planned = [], [], []
+    for i in range(steps):
+        x, y = batch(i)
+        planned.append(f.lower(params, state, x, y).cost().comm_bytes_per_rank)
+        with C.count_bytes() as counter:
+            params, state, loss = f(params, state, x, y)  # DTensors from step 2 on
+        sent.append(counter.total_bytes_per_rank)
+        losses.append(loss.full_tensor())
+    return {
+        "losses": losses,
+        "params": {k: v.full_tensor() for k, v in params.items()},
+        "sent": sent,
+        "planned": planned,
+        "local_w1": tuple(params["w1"].to_local().shape),
+    }

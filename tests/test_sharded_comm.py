@@ -1,0 +1,162 @@
+"""Communication of @sharded steps, in bytes per rank, against REFERENCE.md (fp32, k = 1).
+
+N = group size, phi = (N - 1) / N, Psi = parameter count. The loss adds scalar all-reduces (the
+summed loss and, for cross-entropy, the count of targets): those are checked apart, by shape.
+"""
+
+import torch
+import torch.nn.functional as F
+
+import collectives
+import shardspec
+from examples.models import mlp
+from shardspec import Mesh, P, optim, sharded
+
+N = 4
+PHI = (N - 1) / N
+D_IN, D_HIDDEN, D_OUT, BATCH = 8, 16, 4, 16
+OPT = optim.adamw(lr=1e-2)
+STEP = mlp.make_step(OPT)
+
+
+def _setup():
+    params = mlp.init(D_IN, D_HIDDEN, D_OUT)
+    x = torch.randn(BATCH, D_IN)
+    y = torch.randint(0, D_OUT, (BATCH,))
+    return params, OPT.init(params), x, y
+
+
+PSI = sum(t.numel() for t in mlp.init(D_IN, D_HIDDEN, D_OUT).values())
+
+
+def _split(records):
+    tensors = [r for r in records if r.shape != ()]
+    scalars = [r for r in records if r.shape == ()]
+    return tensors, scalars
+
+
+def _compile_and_check(pspec, sspec, bspec, mesh):
+    params, state, x, y = _setup()
+    step = sharded(STEP, mesh=mesh, in_specs=(pspec, sspec, bspec, bspec), out_specs=(pspec, sspec, P()))
+    low = step.lower(params, state, x, y)
+    with collectives.count_bytes() as counter:
+        out = step(params, state, x, y)
+    for a, b in zip(out[0].values(), STEP(params, state, x, y)[0].values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # what the plan says is what the backend sent
+    assert counter.total_bytes_per_rank == low.cost().comm_bytes_per_rank
+    assert counter.count == low.cost().collective_count * 1  # one record per group call (1 group)
+    tensors, scalars = _split(low.collectives())
+    assert len(scalars) <= 2 and all(r.kind == "all_reduce" for r in scalars)
+    return low, tensors
+
+
+def test_data_parallel_is_one_gradient_all_reduce():
+    mesh = Mesh({"dp": N}, simulate=True)
+    _, tensors = _compile_and_check(P(), P(), P("dp"), mesh)
+    assert [r.kind for r in tensors] == ["all_reduce"] * 3
+    assert sum(r.bytes_per_rank for r in tensors) == 2 * PHI * PSI * 4
+
+
+def test_zero1_reduce_scatters_gradients_and_gathers_params():
+    mesh = Mesh({"dp": N}, simulate=True)
+    pspec = {"w1": P(), "b1": P(), "w2": P()}
+    sspec = OPT.state_specs({"w1": P("dp"), "b1": P("dp"), "w2": P("dp")})
+    _, tensors = _compile_and_check(pspec, sspec, P("dp"), mesh)
+    kinds = sorted(r.kind for r in tensors)
+    assert kinds == ["all_gather"] * 3 + ["reduce_scatter"] * 3  # never all-reduce plus slice
+    assert sum(r.bytes_per_rank for r in tensors) == PHI * PSI * (4 + 4)
+
+
+def test_zero3_gathers_params_once_and_reduce_scatters_gradients():
+    mesh = Mesh({"dp": N}, simulate=True)
+    pspec = {"w1": P("dp"), "b1": P("dp"), "w2": P("dp")}
+    _, tensors = _compile_and_check(pspec, OPT.state_specs(pspec), P("dp"), mesh)
+    gathers = [r for r in tensors if r.kind == "all_gather"]
+    scatters = [r for r in tensors if r.kind == "reduce_scatter"]
+    assert len(gathers) + len(scatters) == len(tensors)
+    # backward reuses the weights forward gathered: no re-gather
+    assert sum(r.bytes_per_rank for r in gathers) == PHI * PSI * 4
+    assert sum(r.bytes_per_rank for r in scatters) == PHI * PSI * 4
+
+
+def _megatron(with_layer_before: bool, d_in: int = D_IN):
+    mesh = Mesh({"tp": N}, simulate=True)
+    params = mlp.init(d_in, D_HIDDEN, D_OUT)
+    x, y = torch.randn(BATCH, d_in), torch.randint(0, D_OUT, (BATCH,))
+    pspec = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)}
+    if with_layer_before:
+        params["w0"] = torch.randn(d_in, d_in) / d_in**0.5
+        pspec["w0"] = P()
+
+    def loss_fn(p, x, y):
+        if "w0" in p:
+            x = torch.tanh(x @ p["w0"])  # a replicated layer before the MLP needs the MLP's input grad
+        h = F.gelu(x @ p["w1"] + p["b1"])
+        return F.cross_entropy(h @ p["w2"], y)
+
+    def step(p, s, x, y):
+        loss, g = shardspec.value_and_grad(loss_fn)(p, x, y)
+        p, s = OPT.update(g, s, p)
+        return p, s, loss
+
+    state = OPT.init(params)
+    f = sharded(
+        step,
+        mesh=mesh,
+        in_specs=(pspec, OPT.state_specs(pspec), P(), P()),
+        out_specs=(pspec, OPT.state_specs(pspec), P()),
+    )
+    low = f.lower(params, state, x, y)
+    out = f(params, state, x, y)
+    want = step(params, state, x, y)
+    for k in params:
+        torch.testing.assert_close(out[0][k], want[0][k], rtol=1e-4, atol=1e-5)
+    return low
+
+
+def test_megatron_mlp_is_one_forward_all_reduce():
+    low = _megatron(with_layer_before=False)
+    records = low.collectives()
+    assert [(r.kind, r.shape) for r in records] == [("all_reduce", (BATCH, D_OUT))]
+    assert low.cost().comm_bytes_per_rank == 2 * PHI * BATCH * D_OUT * 4
+
+
+def test_megatron_mlp_all_reduces_its_input_gradient_when_needed():
+    d_in = 32  # the input gradient (16 x 32) is smaller than the layer-before's weight grad (32 x 32)
+    low = _megatron(with_layer_before=True, d_in=d_in)
+    records = low.collectives()
+    assert sorted((r.kind, r.shape) for r in records) == [
+        ("all_reduce", (BATCH, D_OUT)),
+        ("all_reduce", (BATCH, d_in)),
+    ]
+    assert low.cost().comm_bytes_per_rank == 2 * PHI * BATCH * (D_OUT + d_in) * 4
+    backward = next(r for r in records if r.shape == (BATCH, d_in))
+    # reduced in backward, where the replicated layer needs it whole (the pending sum may pass
+    # through same-size linear backward ops such as tanh's first: same bytes)
+    assert backward.source.startswith("backward of")
+
+
+def test_a_pending_input_gradient_is_reduced_where_it_is_smallest():
+    """The pending input gradient stays pending through the layer before when that layer's weight
+    gradient is smaller than the input gradient (8 x 8 < 16 x 8): one all-reduce either way, of
+    the smaller tensor."""
+    low = _megatron(with_layer_before=True, d_in=8)
+    records = low.collectives()
+    assert sorted((r.kind, r.shape) for r in records) == [
+        ("all_reduce", (8, 8)),
+        ("all_reduce", (BATCH, D_OUT)),
+    ]
+
+
+def test_explain_names_op_and_user_line_for_each_collective():
+    mesh = Mesh({"dp": N}, simulate=True)
+    params, state, x, y = _setup()
+    f = sharded(STEP, mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp")), out_specs=(P(), P(), P()))
+    text = f.lower(params, state, x, y).explain()
+    blocks = text.split("\n[")[1:]
+    assert len(blocks) == f.lower(params, state, x, y).cost().collective_count
+    for block in blocks:
+        assert "why: " in block and " needs " in block
+        assert "at:  " in block and "mlp.py:" in block  # the model file's line, not library code
+    assert "params, state = opt.update(grads, state, params)" in text or "m_ + (1 - b1)" in text

@@ -1,0 +1,133 @@
+"""Bad input to @sharded: a ShardingError naming the argument path, the spec, the sizes and the fix."""
+
+import warnings
+
+import pytest
+import torch
+
+import shardspec
+from examples.models import mlp
+from shardspec import Mesh, P, ShardingError, constrain, optim, sharded
+
+MESH = Mesh({"dp": 2, "tp": 2}, simulate=True)
+OPT = optim.sgd(lr=0.1)
+STEP = mlp.make_step(OPT)
+PARAMS = mlp.init(4, 8, 3)
+X, Y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+
+
+def _err(fn, *args) -> str:
+    with pytest.raises(ShardingError) as info:
+        fn(*args)
+    msg = str(info.value)
+    assert "\nFix: " in msg, msg
+    return msg
+
+
+REPLICATED_OUT = (P(), {}, P())
+
+
+def _call(in_specs, out_specs=REPLICATED_OUT):
+    return sharded(STEP, mesh=MESH, in_specs=in_specs, out_specs=out_specs)(PARAMS, {}, X, Y)
+
+
+def test_spec_tree_does_not_match_argument_tree():
+    msg = _err(_call, ({"w1": P(), "w2": P()}, {}, P("dp"), P("dp")))
+    assert "in_specs does not match" in msg and "prefix" in msg
+
+
+def test_wrong_number_of_argument_specs():
+    msg = _err(_call, (P(), P("dp")))
+    assert "in_specs has 2 entries" in msg and "4 arguments" in msg and "params, state, x, y" in msg
+
+
+def test_split_spec_on_a_python_scalar():
+    def step(params, lr):
+        return {k: v * lr for k, v in params.items()}
+
+    msg = _err(lambda: sharded(step, mesh=MESH, in_specs=(P(), P("dp")), out_specs=P())(PARAMS, 0.5))
+    assert "lr is a Python float (0.5)" in msg and "P('dp')" in msg and "use P() for lr" in msg
+
+
+def test_spec_longer_than_the_argument_rank():
+    msg = _err(_call, (P(), {}, P("dp", None, "tp"), P("dp")))
+    assert "x: spec P('dp', None, 'tp') has 3 entries" in msg and "shape (4, 4)" in msg
+
+
+def test_unknown_axis_in_an_argument_spec():
+    msg = _err(_call, ({"w1": P("mp"), "b1": P(), "w2": P()}, {}, P(), P()))
+    assert "params['w1']" in msg and "'mp'" in msg and "['dp', 'tp']" in msg
+
+
+def test_result_spec_tree_mismatch():
+    msg = _err(_call, (P(), {}, P(), P()), (P(), P()))
+    assert "out_specs does not match" in msg
+
+
+def test_result_spec_longer_than_result_rank():
+    msg = _err(_call, (P(), {}, P(), P()), (P(), {}, P("dp")))
+    assert "result[2]: spec P('dp') has 1 entries" in msg and "P() for a scalar" in msg
+
+
+def test_spec_that_is_not_a_partition_spec():
+    msg = _err(_call, (P(), {}, "dp", P()))
+    assert "in_specs for x is 'dp', not a P" in msg
+
+
+def test_missing_rule_names_the_op_and_line_and_the_fallback_warns():
+    def step(x):
+        return torch.cumsum(x, 0).sum()  # no rule for cumsum
+
+    msg = _err(lambda: sharded(step, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(X))
+    assert "no sharding rule for aten.cumsum" in msg and "torch.cumsum(x, 0).sum()" in msg
+    assert "unsupported='replicate'" in msg
+    f = sharded(step, mesh=MESH, in_specs=(P("dp"),), out_specs=P(), unsupported="replicate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(f(X), step(X))
+    assert any("no sharding rule for aten.cumsum" in str(w.message) for w in caught)
+
+
+def test_data_dependent_control_flow():
+    def step(x):
+        if x.sum() > 0:  # branch on a value
+            return x * 2
+        return x
+
+    msg = _err(lambda: sharded(step, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))(X))
+    assert "if x.sum() > 0:  # branch on a value" in msg and "torch.where" in msg
+
+
+def test_argument_mutation():
+    def step(params, x):
+        params["w1"].mul_(0.5)  # in place on an argument
+        return x.sum()
+
+    msg = _err(lambda: sharded(step, mesh=MESH, in_specs=(P(), P()), out_specs=P())(PARAMS, X))
+    assert "params['w1'] is modified in place" in msg and "mul_(0.5)" in msg
+
+
+def test_unknown_axis_in_a_constraint():
+    def step(x):
+        return constrain(x * 2, P("sp")).sum()  # the mesh has no 'sp'
+
+    msg = _err(lambda: sharded(step, mesh=MESH, in_specs=(P("dp"),), out_specs=P())(X))
+    assert "constrain at" in msg and 'constrain(x * 2, P("sp"))' in msg and "'sp'" in msg
+
+
+def test_bad_mesh_and_option():
+    assert "needs a shardspec.Mesh" in _err(lambda: sharded(STEP, mesh="dp", in_specs=(), out_specs=()))
+    assert "unsupported='gather'" in _err(
+        lambda: sharded(STEP, mesh=MESH, in_specs=(), out_specs=(), unsupported="gather")
+    )
+
+
+def test_microbatches_must_divide_the_batch():
+    def step(w, x):
+        loss, g = shardspec.value_and_grad(lambda w, x: (x @ w).sum(), microbatches=3)(w, x)
+        return w - g, loss
+
+    msg = _err(
+        lambda: sharded(step, mesh=MESH, in_specs=(P(), P("dp")), out_specs=(P(), P()))(torch.randn(4, 2), X)
+    )
+    assert "does not split into 3 microbatches" in msg and "(4, 4)" in msg
