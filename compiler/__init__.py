@@ -22,16 +22,18 @@ def sharded(
     in_specs: Any,
     out_specs: Any,
     unsupported: str = "error",
+    strict: bool = False,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
     Use as ``@sharded(mesh=..., in_specs=..., out_specs=...)`` or ``sharded(fn, mesh=..., ...)``.
     ``unsupported="replicate"`` runs ops without a sharding rule on gathered inputs (with a warning)
-    instead of raising.
+    instead of raising. ``strict=True`` raises where two layouts send the same bytes with
+    different collectives and nothing in the specs decides (otherwise ``explain()`` notes it).
     """
 
     def wrap(f: Callable[..., Any]) -> ShardedFunction:
-        return ShardedFunction(f, mesh, in_specs, out_specs, unsupported)
+        return ShardedFunction(f, mesh, in_specs, out_specs, unsupported, strict)
 
     return wrap(fn) if fn is not None else wrap
 

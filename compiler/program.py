@@ -18,6 +18,7 @@ from compiler.trace import Traced, arg_names, path_str, trace
 from shardspec.errors import fail
 from shardspec.layout import check_spec, is_even
 from shardspec.mesh import Mesh
+from shardspec.placements import spec_to_placements
 from shardspec.spec import P
 
 
@@ -47,7 +48,13 @@ def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = 
 
 
 def compile_program(
-    fn: Callable[..., Any], args: tuple[Any, ...], mesh: Mesh, in_specs: Any, out_specs: Any, unsupported: str
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    unsupported: str,
+    strict: bool = False,
 ) -> Program:
     names = arg_names(fn, len(args))
     if not isinstance(in_specs, tuple) or len(in_specs) != len(args):
@@ -81,9 +88,14 @@ def compile_program(
         if not isinstance(spec, P):
             raise fail(f"out_specs for {out_path} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
         check_spec(info.shape, mesh, spec, name=out_path)
+    if not mesh.simulated:  # real results are DTensors: every layout must be one DTensor can hold
+        for p, s, t in zip(traced.in_paths, tensor_specs, traced.inputs, strict=True):
+            spec_to_placements(s, mesh, t.shape, name=p)
+        for p, s, t in zip(traced.out_paths, out_leaf_specs, traced.outputs, strict=True):
+            spec_to_placements(s, mesh, t.shape, name=p)
     inputs = [Sharding.of(s, len(t.shape)) for s, t in zip(tensor_specs, traced.inputs, strict=True)]
     outputs = [Sharding.of(s, len(t.shape)) for s, t in zip(out_leaf_specs, traced.outputs, strict=True)]
-    prop = propagate(traced.module.graph, inputs, outputs, mesh, unsupported)
+    prop = propagate(traced.module.graph, inputs, outputs, mesh, unsupported, strict=strict)
     first, inserted = partition(traced.module, prop, mesh, 0, list(traced.in_paths))
     programs = [first]
     if not _even(prop, mesh):

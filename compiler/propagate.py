@@ -89,8 +89,9 @@ class _Propagator:
         outputs: list[Sharding],
         mesh: Mesh,
         unsupported: str,
+        strict: bool = False,
     ) -> None:
-        self.graph, self.mesh, self.unsupported = graph, mesh, unsupported
+        self.graph, self.mesh, self.unsupported, self.strict = graph, mesh, unsupported, strict
         self.result = Propagation()
         self.inputs, self.out_specs = inputs, outputs
         self.want: dict[Node, Want] = {}
@@ -202,13 +203,37 @@ class _Propagator:
         for o, toks in zip(operands, rule.operands, strict=True):
             if len(toks) != len(shape(o)):
                 raise AssertionError(f"rule {rule.text} does not fit {node.target} operand {shape(o)}")
-        best: tuple[Any, ...] | None = None
-        for assignment in self.candidates(node, rule, operands, current):
-            scored = self.score(node, rule, operands, current, assignment)
-            if scored is not None and (best is None or scored[0] < best[0]):
-                best = scored
-        assert best is not None, f"no valid sharding for {node.target}"
+        scored = [
+            s
+            for a in self.candidates(node, rule, operands, current)
+            if (s := self.score(node, rule, operands, current, a)) is not None
+        ]
+        assert scored, f"no valid sharding for {node.target}"
+        scored.sort(key=lambda s: s[0])
+        best = scored[0]
+        rival = next((s for s in scored[1:] if s[0][:2] == best[0][:2] and s[0][2] != best[0][2]), None)
+        if rival is not None:
+            self.ambiguous(node, best, rival)
         self.commit(node, best[1])
+
+    def ambiguous(self, node: Node, best: tuple[Any, OpPlan], rival: tuple[Any, OpPlan]) -> None:
+        """Equal bytes, different collectives, and nothing else decides: say so (strict: error)."""
+
+        def show(p: OpPlan) -> str:
+            return ", ".join(f"{f}={'x'.join(a) or '-'}" for f, a in p.assignment)
+
+        text = (
+            f"{str(node.target).replace('aten.', '')} at {source_of(node) or node.name}: splitting "
+            f"{show(best[1])} ({best[0][2]} collective(s)) or {show(rival[1])} ({rival[0][2]}) sends "
+            f"the same {best[0][1]:.0f} bytes; chose the first (fewer collectives)"
+        )
+        if self.strict:
+            raise fail(
+                f"ambiguous sharding: {text}.",
+                "pin the intended layout with constrain(x, P(...)) on this value, or compile "
+                "with strict=False to accept the choice.",
+            )
+        self.result.notes.append(text)
 
     def commit(self, node: Node, p: OpPlan) -> None:
         self.result.plans[node] = p
@@ -364,6 +389,7 @@ def propagate(
     mesh: Mesh,
     unsupported: str = "error",
     max_passes: int = 4,
+    strict: bool = False,
 ) -> Propagation:
     """Shardings for every value of ``graph`` given fixed input and output shardings.
 
@@ -373,7 +399,7 @@ def propagate(
     """
     hint: set[Node] = set()
     for _ in range(max_passes):
-        p = _Propagator(graph, inputs, outputs, mesh, unsupported)
+        p = _Propagator(graph, inputs, outputs, mesh, unsupported, strict)
         p.partial_hint = hint
         result = p.run()
         now = hint | {n for n, s in result.value.items() if isinstance(s, Sharding) and s.partial}

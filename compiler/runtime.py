@@ -34,8 +34,15 @@ class ShardedFunction:
     """A step compiled for a mesh and specs: call it like the function; ``lower`` shows the plan."""
 
     def __init__(
-        self, fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any, unsupported: str = "error"
+        self,
+        fn: Callable[..., Any],
+        mesh: Mesh,
+        in_specs: Any,
+        out_specs: Any,
+        unsupported: str = "error",
+        strict: bool = False,
     ) -> None:
+        self.strict = strict
         if not isinstance(mesh, Mesh):
             raise fail(
                 f"sharded(mesh=...) needs a shardspec.Mesh, got {type(mesh).__name__}.",
@@ -59,7 +66,7 @@ class ShardedFunction:
         key = _signature(globals_)
         if key not in self._cache:
             self._cache[key] = compile_program(
-                self.fn, globals_, self.mesh, self.in_specs, self.out_specs, self.unsupported
+                self.fn, globals_, self.mesh, self.in_specs, self.out_specs, self.unsupported, self.strict
             )
         return self._cache[key]
 
@@ -154,7 +161,7 @@ def _check_same_program(program: Program, rank: int) -> None:
         for n in program.programs[rank].graph.nodes
         if n.op == "call_function" and getattr(n.target, "namespace", "") == "shardspec"
     ]
-    text = "\n".join(
+    text = repr([(i.shape, i.dtype) for i in program.traced.inputs]) + "\n".join(
         f"{n.target} {sorted((k, v) for k, v in n.kwargs.items() if k != 'size')}" for n in calls
     )
     digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)

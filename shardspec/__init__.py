@@ -2,10 +2,12 @@
 
 The vocabulary lives here: ``Mesh`` (named device axes), ``P`` (a partition spec), the layout math
 that says which slice each device holds, DTensor placement conversion and a text picture of a
-sharding.
+sharding. The compiler's entry points (``sharded``, ``constrain``, ``value_and_grad``,
+``Lowered``) are re-exported lazily: the compiler itself imports this vocabulary.
 """
 
-from compiler import Lowered, constrain, sharded, value_and_grad
+from typing import TYPE_CHECKING, Any
+
 from shardspec import optim
 from shardspec.errors import ShardingError
 from shardspec.layout import (
@@ -21,6 +23,20 @@ from shardspec.mesh import Mesh
 from shardspec.placements import placements_to_spec, spec_to_placements
 from shardspec.spec import P
 from shardspec.visualize import visualize
+
+if TYPE_CHECKING:
+    from compiler import Lowered, constrain, sharded, value_and_grad
+
+_COMPILER = ("Lowered", "constrain", "sharded", "value_and_grad")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMPILER:
+        import compiler
+
+        return getattr(compiler, name)
+    raise AttributeError(f"module 'shardspec' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

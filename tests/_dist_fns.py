@@ -170,3 +170,22 @@ def train_mlp_steps(rank: int, world: int, strategy: str, steps: int) -> dict[st
         "planned": planned,
         "local_w1": tuple(params["w1"].to_local().shape),
     }
+
+
+def uneven_rejected_and_rank_dependent_program(rank: int, world: int) -> dict[str, str]:
+    """Real-mode errors: a layout DTensor cannot hold; ranks that compiled different programs."""
+    from shardspec import Mesh, P, ShardingError, sharded
+
+    mesh = Mesh({"dp": 2, "tp": 2})
+    out: dict[str, str] = {}
+    f = sharded(lambda x: x * 2, mesh=mesh, in_specs=(P(("dp", "tp")),), out_specs=P(("dp", "tp")))
+    try:
+        f(torch.ones(6, 3))  # 6 over dp x tp: flat blocks 2,2,2,0; DTensor would nest 3 -> (2,1)
+    except ShardingError as e:
+        out["uneven"] = str(e)
+    g = sharded(lambda x: x.sum(0), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    try:
+        g(torch.ones(8 if rank == 0 else 4, 3))  # a rank-dependent global shape
+    except ShardingError as e:
+        out["hash"] = str(e)
+    return out

@@ -37,3 +37,10 @@ def test_strategy_matches_single_process_for_five_steps(strategy):
         assert r["sent"] == r["planned"]  # the backend's byte counter equals the plan, every step
     if strategy == "zero3":
         assert results[0]["local_w1"] == (2, 16)  # parameters stay sharded between steps
+
+
+def test_real_mode_rejects_inexpressible_uneven_layouts_and_rank_dependent_programs():
+    results = run_distributed(fns.uneven_rejected_and_rank_dependent_program, 4, timeout=60)
+    for r in results:
+        assert "x: spec P(('dp', 'tp')) splits dim 0 of size 6 unevenly over ('dp', 'tp')" in r["uneven"]
+        assert "ranks compiled different programs" in r["hash"] and "[[0], [1, 2, 3]]" in r["hash"]

@@ -1,0 +1,43 @@
+"""Uneven dims (torch.chunk layout) are computed exactly: each rank runs its own local shapes."""
+
+import optree
+import torch
+
+from examples.models import mlp
+from shardspec import Mesh, P, local_shape, optim, sharded
+
+OPT = optim.adamw(lr=1e-2)
+STEP = mlp.make_step(OPT)
+
+
+def test_uneven_hidden_and_batch_dims_match_unsharded():
+    mesh = Mesh({"dp": 4, "tp": 2}, simulate=True)
+    params = mlp.init(6, 10, 3)  # hidden 10 over tp=4? here over dp: blocks 3,3,3,1
+    state = OPT.init(params)
+    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))  # batch 7 over tp=2: blocks 4,3
+    pspec = {"w1": P(None, "dp"), "b1": P("dp"), "w2": P("dp", None)}
+    f = sharded(
+        STEP,
+        mesh=mesh,
+        in_specs=(pspec, OPT.state_specs(pspec), P("tp"), P("tp")),
+        out_specs=(pspec, OPT.state_specs(pspec), P()),
+    )
+    got, want = f(params, state, x, y), STEP(params, state, x, y)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    program = f._program((params, state, x, y))
+    assert program.programs[0] is not program.programs[-1]  # per-rank programs
+    assert local_shape((6, 10), mesh, P(None, "dp"), 0) == (6, 3)
+    assert local_shape((6, 10), mesh, P(None, "dp"), 7) == (6, 1)
+
+
+def test_empty_shards_are_fine():
+    mesh = Mesh({"dp": 4}, simulate=True)
+    w = torch.randn(3, 5)  # 3 rows over 4 devices: blocks 1,1,1,0
+
+    def step(w, x):
+        return (x @ w.t()).relu().sum(0)
+
+    f = sharded(step, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(f(w, x), step(w, x))
