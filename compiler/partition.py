@@ -27,17 +27,23 @@ from shardspec.layout import local_shape
 from shardspec.mesh import Mesh
 
 aten = torch.ops.aten
+# ops whose argument at this index is the output's (global) shape: it becomes the local shape
 _SIZE_ARG = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.view_copy.default,
-    aten.reshape.default,
-    aten.expand.default,
-    aten.expand_copy.default,
-    aten.full.default,
-    aten.zeros.default,
-    aten.ones.default,
-    aten.empty.memory_format,
+    aten.view.default: 1,
+    aten._unsafe_view.default: 1,
+    aten.view_copy.default: 1,
+    aten.reshape.default: 1,
+    aten.expand.default: 1,
+    aten.expand_copy.default: 1,
+    aten.new_zeros.default: 1,
+    aten.new_ones.default: 1,
+    aten.new_empty.default: 1,
+    aten.new_full.default: 1,
+    aten.full.default: 0,
+    aten.zeros.default: 0,
+    aten.ones.default: 0,
+    aten.empty.memory_format: 0,
+    aten.empty_permuted.default: 0,
 }
 _LIKE = {
     aten.full_like.default: None,
@@ -172,17 +178,21 @@ class _Partitioner:
                 aten.full.default, (list(lshape or ()), fill), {"dtype": val.dtype, "device": val.device}
             )
             return
-        args = [mapped.get(a, self.env.get(a, a)) if isinstance(a, Node) else a for a in node.args]
+
+        def local(a: Any) -> Any:
+            if isinstance(a, Node):
+                return mapped.get(a, self.env.get(a))
+            if isinstance(a, (list, tuple)):
+                return type(a)(local(x) for x in a)
+            return a
+
+        args = [local(a) for a in node.args]
         if node.target in _SIZE_ARG and lshape is not None:
-            args[
-                1
-                if node.target
-                not in (aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
-                else 0
-            ] = list(lshape)
+            args[_SIZE_ARG[node.target]] = list(lshape)
         kwargs = {k: (self.env[v] if isinstance(v, Node) else v) for k, v in node.kwargs.items()}
         assert callable(node.target)
         self.env[node] = self.graph.call_function(node.target, tuple(args), kwargs)
+        self.env[node].meta["shardspec_origin"] = node.name
 
 
 def partition(

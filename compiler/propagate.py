@@ -353,7 +353,7 @@ class _Propagator:
             return {}
         if len(partial) != 1 or len(ok) != 1 or operands.count(operands[ok[0]]) > 1:
             return {}
-        if rule.linear == "first" and ok[0] != 0:
+        if (rule.linear == "first" and ok[0] != 0) or (rule.linear == "last" and ok[0] != len(operands) - 1):
             return {}
         if _numel(node) > _numel(operands[ok[0]]):
             return {}  # the pending sum would grow: reducing the operand now sends fewer bytes
@@ -374,8 +374,10 @@ class _Propagator:
                 return True
             if rule.linear == "first" and operands[0] is not value:
                 return True
+            if rule.linear == "last" and operands[-1] is not value:
+                return True
             others = [o for o in operands if o is not value]
-            if rule.linear in ("one", "first") and any(o in self.partial_hint for o in others):
+            if rule.linear in ("one", "first", "last") and any(o in self.partial_hint for o in others):
                 return True
             if rule.linear == "all" and not all(o in self.partial_hint for o in others):
                 return True

@@ -22,7 +22,8 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from compiler.sources import BackwardSources, SourceTracker, user_frame
+from compiler.rewrites import RANDOM_OPS, Rewrites
+from compiler.sources import BackwardSources, SourceTracker, source_of, user_frame
 from shardspec.errors import ShardingError, fail
 
 _STATIC = (int, float, bool, str, type(None))
@@ -137,6 +138,7 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
         raise
     in_paths = tuple(leaf_paths[i] for i in positions)
     _reject_argument_mutation(module, in_paths, fn, args)
+    _reject_random_ops(module)
     outputs = tuple(
         TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in _output_nodes(module)
     )
@@ -163,7 +165,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
     decomp.update(_EXTRA_DECOMPOSITIONS)
 
     def with_sources(*tensors: torch.Tensor) -> Any:
-        with SourceTracker(), BackwardSources():  # type: ignore[no-untyped-call]
+        with SourceTracker(), Rewrites(), BackwardSources():  # type: ignore[no-untyped-call]
             return flat_fn(*tensors)
 
     with fxt.preserve_node_meta():
@@ -174,6 +176,16 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
             tracing_mode="fake",
             decomposition_table=decomp,
         )(*inputs)
+
+
+def _reject_random_ops(module: torch.fx.GraphModule) -> None:
+    for n in module.graph.nodes:
+        if n.op == "call_function" and str(n.target).rsplit(".", 1)[0] in RANDOM_OPS:
+            raise fail(
+                f"{n.target} at {source_of(n) or n.name}: random numbers inside a sharded step "
+                "would differ with the layout (each device would draw its own).",
+                "draw random tensors outside the step and pass them in as arguments.",
+            )
 
 
 def _output_nodes(module: torch.fx.GraphModule) -> list[torch.fx.Node]:

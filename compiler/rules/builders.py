@@ -210,3 +210,10 @@ def scatter(node: Node) -> Built:
         operands.append(src)
         tokens.append(it)
     return line(tokens, [xt]), "none", operands
+
+
+def batched_matmul(node: Node) -> Built:
+    """shardspec::matmul: leading batch dims pass through, the last two contract like mm."""
+    a, b = arg(node, 0), arg(node, 1)
+    lead = letters(len(shape_of(a)) - 2)
+    return line([[*lead, "i", "k"], [*lead, "k", "j"]], [[*lead, "i", "j"]]), "one", [a, b]

@@ -10,7 +10,8 @@ Factors only in outputs are free: the output may be split over them by a local s
 
 ``linear`` says which operands may stay Partial through the op without being reduced first:
 ``"all"`` (add/sub: every operand Partial over the same axes), ``"one"`` (one Partial operand, the
-rest not: mul, mm, sum, views, casts), ``"first"`` (only operand 0: div's numerator), ``"none"``.
+rest not: mul, mm, sum, views, casts), ``"first"`` / ``"last"`` (only that operand: div's numerator,
+index_put's values), ``"none"``.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def parse(text: str, linear: str = "none") -> Rule:
     lhs, rhs = text.split("->")
     operands, m1 = _parse_side(lhs)
     outputs, m2 = _parse_side(rhs)
-    if linear not in ("all", "one", "first", "none"):
+    if linear not in ("all", "one", "first", "last", "none"):
         raise ValueError(f"rule {text!r}: linear={linear!r}")
     return Rule(text.strip(), operands, outputs, frozenset(m1 | m2), linear)
 

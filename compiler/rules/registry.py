@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+import compiler.rewrites  # noqa: F401  (defines torch.ops.shardspec.matmul)
 from compiler.rules import builders as b
+from compiler.rules import structural as st
 from compiler.rules.notation import Rule, parse
 
 aten = torch.ops.aten
@@ -76,6 +78,13 @@ _ELEMENTWISE_NONLINEAR = [
     aten.clamp_max.default,
     aten.bitwise_not.default,
     aten.isnan.default,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor,
+    aten.bitwise_xor.Tensor,
+    aten.logical_xor.default,
+    aten.atan2.default,
+    aten.fmod.Scalar,
+    aten.square.default,
     aten.remainder.Scalar,
     aten.floor.default,
     aten.ceil.default,
@@ -93,6 +102,7 @@ _ELEMENTWISE_LINEAR_ONE = [
 REGISTRY: dict[Any, Builder] = {
     aten.mm.default: fixed("i k, k j -> i j", "one"),
     aten.bmm.default: fixed("b i k, b k j -> b i j", "one"),
+    torch.ops.shardspec.matmul.default: b.batched_matmul,
     aten.add.Tensor: partial(b.binary_arith, all_tensor_linear="all"),
     aten.sub.Tensor: partial(b.binary_arith, all_tensor_linear="all"),
     aten.mul.Tensor: partial(b.binary_arith, all_tensor_linear="one"),
@@ -149,6 +159,34 @@ REGISTRY: dict[Any, Builder] = {
     aten._softmax.default: partial(b.softmax_like, operands=1, linear="none"),
     aten._log_softmax_backward_data.default: partial(b.softmax_like, operands=2, linear="first"),
     aten._softmax_backward_data.default: partial(b.softmax_like, operands=2, linear="first"),
+    aten.embedding.default: st.embedding,
+    aten.index_put.default: st.index_put,
+    aten.native_layer_norm.default: st.layer_norm,
+    aten.split_with_sizes.default: st.split,
+    aten.split.Tensor: st.split,
+    aten.split_with_sizes_copy.default: st.split,
+    aten.split_copy.Tensor: st.split,
+    aten.cat.default: st.cat,
+    aten.slice.Tensor: st.slice_,
+    aten.slice_copy.Tensor: st.slice_,
+    aten.select.int: st.select,
+    aten.select_copy.int: st.select,
+    aten.slice_scatter.default: st.slice_scatter,
+    aten.index_select.default: st.index_select,
+    aten.tril.default: st.triangle,
+    aten.triu.default: st.triangle,
+    aten.any.dim: st.reduce_any,
+    aten.any.dims: st.reduce_any,
+    aten.any.default: st.reduce_any,
+    aten.all.dim: st.reduce_any,
+    aten.all.default: st.reduce_any,
+    aten.copy.default: partial(b.elementwise, linear="none"),
+    aten.empty_permuted.default: b.creation,
+    aten.new_zeros.default: b.creation,
+    aten.new_ones.default: b.creation,
+    aten.new_full.default: b.creation,
+    aten.new_empty.default: b.creation,
+    aten.masked_fill.Scalar: partial(b.elementwise, linear="none"),
     aten.gather.default: b.gather,
     aten.scatter.value: b.scatter,
     aten.scatter.src: b.scatter,

@@ -1,0 +1,149 @@
+"""User-level rewrites applied while tracing, before autograd sees the ops.
+
+``scaled_dot_product_attention`` becomes its math form (q·kᵀ·scale, mask, softmax, ·v), so backward
+is built from ops with sharding rules and batch and head factors pass straight through; fused
+attention kernels have neither rules nor a sharded backward. A matmul with several batch dims (q·kᵀ
+over batch and heads) becomes one ``shardspec::matmul`` node: ATen would merge the batch dims into one
+for ``bmm``, and a merged (batch, heads) dim split over two axes is not a block of anything. Dropout
+with p > 0 is refused: it needs random numbers that do not depend on how a tensor is split, which the
+runtime does not provide yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from compiler.sources import user_frame
+from shardspec.errors import fail
+
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_DROPOUT = {
+    F.dropout,
+    torch.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    torch.nn.functional.feature_alpha_dropout,
+}
+RANDOM_OPS = {
+    "aten.rand",
+    "aten.randn",
+    "aten.randint",
+    "aten.bernoulli",
+    "aten.native_dropout",
+    "aten.rand_like",
+    "aten.randn_like",
+    "aten.randint_like",
+    "aten.normal",
+    "aten.uniform",
+    "aten.multinomial",
+    "aten.randperm",
+    "aten.exponential",
+}
+
+
+@torch.library.custom_op("shardspec::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b)
+
+
+@_matmul_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+class _BatchedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.shardspec.matmul(a, b)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return batched_matmul(grad, b.transpose(-2, -1)), batched_matmul(a.transpose(-2, -1), grad)
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """matmul over identical leading batch dims, kept as one op with a rule."""
+    out: torch.Tensor = _BatchedMatmul.apply(a, b)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _many_batch_dims(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.dim() >= 4
+        and a.dim() == b.dim()
+        and a.shape[:-2] == b.shape[:-2]
+    )
+
+
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+
+def sdpa_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """scaled_dot_product_attention in plain ops (no dropout)."""
+    if dropout_p > 0:
+        raise _dropout_error(f"scaled_dot_product_attention(dropout_p={dropout_p})")
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    mm = batched_matmul if _many_batch_dims(query, key) else torch.matmul
+    scores = mm(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
+    probs = torch.softmax(scores, dim=-1)
+    return (batched_matmul if _many_batch_dims(probs, value) else torch.matmul)(probs, value)
+
+
+def _dropout_error(what: str) -> Exception:
+    return fail(
+        f"{what} at {user_frame()}: dropout with p > 0 needs random numbers that do not "
+        "depend on how tensors are split, which shardspec does not provide yet.",
+        "use p=0 (or eval mode) inside the sharded step.",
+    )
+
+
+class Rewrites(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SDPA:
+            return sdpa_math(*args, **kwargs)
+        if func in _MATMUL and len(args) == 2 and not kwargs and _many_batch_dims(*args):
+            return batched_matmul(*args)
+        if func in _DROPOUT:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if p > 0 and training:
+                raise _dropout_error(f"{getattr(func, '__name__', 'dropout')}(p={p})")
+        return func(*args, **kwargs)

@@ -1,0 +1,137 @@
+"""Rule builders for structural ops: embedding, index_put, layer norm, split/cat, slice/select,
+index_select, tril/triu. Dims whose values depend on global positions (a slice's dim, a cat's dim,
+a normalized dim, a vocabulary) are marked ``!``: they stay replicated; every other dim passes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.fx import Node
+
+from compiler.rules.builders import Built, arg, shape_of
+from compiler.rules.notation import letters, line
+
+
+def _dims(n: int, dim: int, mark: str, start: int = 0) -> list[str]:
+    names = letters(n, start)
+    return [f"{name}{mark}" if k == dim else name for k, name in enumerate(names)]
+
+
+def _norm(dim: Any, ndim: int) -> int:
+    return int(dim) % max(ndim, 1)
+
+
+def embedding(node: Node) -> Built:
+    weight, idx = arg(node, 0), arg(node, 1)
+    ishape = shape_of(idx)
+    it = letters(len(ishape), 1)
+    return line([["v!", "e"], it], [[*it, "e"]]), "first", [weight, idx]
+
+
+def index_put(node: Node) -> Built:
+    """index_put(self, [index], values, accumulate): with accumulate the indexed positions are a
+    sum over the index dims (split -> pending sum); without it they must stay whole."""
+    x, indices, values = arg(node, 0), arg(node, 1), arg(node, 2)
+    accumulate = bool(arg(node, 3, node.kwargs.get("accumulate", False)))
+    if len(indices) != 1 or not isinstance(indices[0], Node):
+        raise KeyError("index_put with several index tensors")
+    idx = indices[0]
+    xs, ishape = shape_of(x), shape_of(idx)
+    rest = letters(len(xs) - 1, 100)
+    it = [f"i{k}" + ("" if accumulate else "!") for k in range(len(ishape))]
+    return (
+        line([["v!", *rest], it, [*it, *rest]], [["v!", *rest]]),
+        "last" if accumulate else "none",
+        [x, idx, values],
+    )
+
+
+def layer_norm(node: Node) -> Built:
+    x, normalized, w, b = arg(node, 0), arg(node, 1), arg(node, 2), arg(node, 3)
+    xs = shape_of(x)
+    k = len(normalized)
+    lead = letters(len(xs) - k)
+    normed = [f"n{j}!" for j in range(k)]
+    operands, tokens = [x], [[*lead, *normed]]
+    for t in (w, b):
+        if isinstance(t, Node):
+            operands.append(t)
+            tokens.append(normed)
+    stats = [*lead, *(["1"] * k)]
+    return line(tokens, [[*lead, *normed], stats, stats]), "none", operands
+
+
+def split(node: Node) -> Built:
+    x = arg(node, 0)
+    xs = shape_of(x)
+    dim = _norm(arg(node, 2, node.kwargs.get("dim", 0)), len(xs))
+    outs = node.meta["val"]
+    names = letters(len(xs))
+    ins = [f"{n}!" if k == dim else n for k, n in enumerate(names)]
+    tokens = [[f"s{j}!" if k == dim else n for k, n in enumerate(names)] for j in range(len(outs))]
+    return line([ins], tokens), "one", [x]
+
+
+def cat(node: Node) -> Built:
+    tensors = [t for t in arg(node, 0) if isinstance(t, Node) and shape_of(t) != (0,)]
+    out = shape_of(node)
+    dim = _norm(arg(node, 1, node.kwargs.get("dim", 0)), len(out))
+    names = letters(len(out))
+    toks = [[f"c{j}!" if k == dim else n for k, n in enumerate(names)] for j in range(len(tensors))]
+    return line(toks, [[f"out{k}!" if k == dim else n for k, n in enumerate(names)]]), "all", tensors
+
+
+def slice_(node: Node) -> Built:
+    x = arg(node, 0)
+    xs = shape_of(x)
+    dim = _norm(arg(node, 1, 0), len(xs))
+    names = letters(len(xs))
+    if shape_of(node)[dim] == xs[dim] and (arg(node, 4, 1) or 1) == 1:
+        return line([names], [names]), "one", [x]  # the whole dim: a no-op slice
+    return (
+        line([_dims(len(xs), dim, "!")], [["o!" if k == dim else n for k, n in enumerate(names)]]),
+        "one",
+        [x],
+    )
+
+
+def select(node: Node) -> Built:
+    x = arg(node, 0)
+    xs = shape_of(x)
+    dim = _norm(arg(node, 1), len(xs))
+    names = letters(len(xs))
+    return line([_dims(len(xs), dim, "!")], [[n for k, n in enumerate(names) if k != dim]]), "one", [x]
+
+
+def slice_scatter(node: Node) -> Built:
+    x, src = arg(node, 0), arg(node, 1)
+    xs = shape_of(x)
+    dim = _norm(arg(node, 2, node.kwargs.get("dim", 0)), len(xs))
+    names = letters(len(xs))
+    src_t = ["s!" if k == dim else n for k, n in enumerate(names)]
+    return line([_dims(len(xs), dim, "!"), src_t], [_dims(len(xs), dim, "!")]), "none", [x, src]
+
+
+def index_select(node: Node) -> Built:
+    x, idx = arg(node, 0), arg(node, 2)
+    xs = shape_of(x)
+    dim = _norm(arg(node, 1), len(xs))
+    names = letters(len(xs))
+    out = ["i" if k == dim else n for k, n in enumerate(names)]
+    return line([_dims(len(xs), dim, "!"), ["i"]], [out]), "first", [x, idx]
+
+
+def triangle(node: Node) -> Built:
+    """tril / triu: which elements survive depends on their global row and column."""
+    x = arg(node, 0)
+    n = len(shape_of(x))
+    names = [f"{name}!" if k >= n - 2 else name for k, name in enumerate(letters(n))]
+    return line([names], [names]), "one", [x]
+
+
+def reduce_any(node: Node, dims: Sequence[int] | None = None) -> Built:
+    from compiler.rules.builders import reduction
+
+    return reduction(node, kind="max")
