@@ -4,8 +4,10 @@ input specs, and the same samples through DTensor on a 4-process gloo world, eac
     python -m benchmarks.op_sweep                     # all ops, 2 samples each, both sides
     python -m benchmarks.op_sweep --ops 40 --no-dtensor
 
-Each sample is classified: pass, missing rule, mismatch (a wrong answer: a bug), error (anything else
-the library raised), or skipped (non-tensor results, random ops). An op passes when all its samples do.
+Each sample is classified: pass; missing rule; refused (a clear error for a program the compiler does
+not take by design: data-dependent control flow or shapes, in-place updates of arguments, random
+numbers); mismatch (a wrong answer: a bug); error (anything else); or skipped (non-tensor or
+uninitialized results, random ops). An op passes when all its samples do.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 from shardspec import Mesh, P, ShardingError
 
 AXES = ("x", "y")
+UNINITIALIZED = ("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted")
+REFUSED = ("depends on tensor values", "modified in place", "random numbers", "shape that depends")
 RANDOM_NAMES = (
     "rand",
     "normal",
@@ -129,6 +133,8 @@ def _same(got: Any, want: Any) -> bool:
 def _skip_reason(case: Case, want: Any) -> str | None:
     if any(k in case.op for k in RANDOM_NAMES):
         return "random op"
+    if case.op in UNINITIALIZED:
+        return "uninitialized result"
     outs = optree.tree_leaves(want, none_is_leaf=True)
     if not outs or not all(isinstance(x, torch.Tensor) for x in outs):
         return "non-tensor result"
@@ -152,7 +158,9 @@ def run_ours(case: Case, mesh: Mesh) -> str:
             warnings.simplefilter("ignore")
             got = sharded(call, mesh=mesh, in_specs=tuple(case.specs), out_specs=out_specs)(*tensors)
     except ShardingError as e:
-        return "missing rule" if "no sharding rule" in str(e) else "error"
+        if "no sharding rule" in str(e):
+            return "missing rule"
+        return "refused" if any(k in str(e) for k in REFUSED) else "error"
     except Exception:
         return "error"
     return "pass" if _same(got, want) else "mismatch"
@@ -201,7 +209,7 @@ def run_dtensor_rank(rank: int, world: int, cases: list[Case]) -> list[str]:
 def summarize(cases: list[Case], results: list[str]) -> tuple[Counter[str], dict[str, str]]:
     """Per-op status: skipped when every sample was skipped, else the worst of the rest (an op
     passes only when all its samples pass); and the count of ops per status."""
-    order = ["mismatch", "error", "missing rule", "pass"]
+    order = ["mismatch", "error", "missing rule", "refused", "pass"]
     seen: dict[str, list[str]] = {}
     for c, r in zip(cases, results, strict=True):
         seen.setdefault(c.op + ("." + c.variant if c.variant else ""), []).append(r)
@@ -237,14 +245,14 @@ def main() -> None:
         f"{len(cases)} samples of {len(ours_ops)} ops (float32, mesh x=2 x y=2, random input specs, "
         f"seed {args.seed})"
     )
-    print("| side | ops pass | missing rule | mismatch | error | skipped | seconds |")
-    print("|---|---|---|---|---|---|---|")
+    print("| side | ops pass | missing rule | refused | mismatch | error | skipped | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, c, secs in rows:
         print(
-            f"| {name} | {c['pass']} | {c['missing rule']} | {c['mismatch']} | {c['error']} | "
-            f"{c['skipped']} | {secs:.0f} |"
+            f"| {name} | {c['pass']} | {c['missing rule']} | {c['refused']} | {c['mismatch']} | "
+            f"{c['error']} | {c['skipped']} | {secs:.0f} |"
         )
-    for status in ("mismatch", "error", "missing rule"):
+    for status in ("mismatch", "error", "refused", "missing rule"):
         names = sorted(k for k, v in ours_ops.items() if v == status)
         print(f"shardspec {status}: {', '.join(names) if names else 'none'}")
     if not args.no_dtensor:

@@ -170,7 +170,8 @@ class _Partitioner:
             self.env[node] = mapped[node.args[0]]  # type: ignore[index]
             return
         out = p.outputs[0]
-        lshape = self.local(shape(node), out) if len(p.outputs) == 1 else None
+        single = isinstance(node.meta["val"], torch.Tensor)
+        lshape = self.local(shape(node), out) if single else None
         if node.target in _LIKE:
             fill = node.args[1] if _LIKE[node.target] is None else _LIKE[node.target]
             val = node.meta["val"]
@@ -189,6 +190,8 @@ class _Partitioner:
         args = [local(a) for a in node.args]
         if node.target in _SIZE_ARG and lshape is not None:
             args[_SIZE_ARG[node.target]] = list(lshape)
+        if node.target is aten.native_group_norm.default:  # N is passed explicitly: this rank's N
+            args[3] = self.local(shape(p.operands[0]), p.required[0])[0]
         kwargs = {k: (self.env[v] if isinstance(v, Node) else v) for k, v in node.kwargs.items()}
         assert callable(node.target)
         self.env[node] = self.graph.call_function(node.target, tuple(args), kwargs)

@@ -27,7 +27,7 @@ from torch.fx import Node
 from compiler.constrain import decode
 from compiler.reshard import cost, plan
 from compiler.rules.notation import Rule, parse
-from compiler.rules.registry import MissingRule, rule_for
+from compiler.rules.registry import NO_EMPTY_BLOCKS, MissingRule, rule_for
 from compiler.sharding import Axes, Sharding
 from compiler.sources import source_of
 from shardspec.errors import ShardingError, fail
@@ -269,6 +269,10 @@ class _Propagator:
         self, node: Node, rule: Rule, operands: list[Node], current: list[Sharding], a: dict[str, Axes]
     ) -> tuple[Any, OpPlan] | None:
         sizes = self.factor_sizes(rule, operands, node)
+        no_empty = set(rule.factors) if node.target in NO_EMPTY_BLOCKS else rule.reductions
+        for f in no_empty:  # some kernels (convolution, and any sum over nothing) reject empty blocks
+            if a[f] and sizes.get(f, 0) < self.mesh.axis_size(a[f]):
+                return None
         for dims in (*rule.operands, *rule.outputs):
             for t in dims:
                 if len(t) > 1 and a[t[0]] and sizes.get(t[0], 0) % self.mesh.axis_size(a[t[0]]):

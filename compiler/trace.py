@@ -32,7 +32,7 @@ aten = torch.ops.aten
 
 def _mean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
     """mean as sum / global count, so a split reduction dim still divides by the global size."""
-    dims = list(range(x.dim())) if dim in (None, []) else [d % x.dim() for d in dim]
+    dims = list(range(x.dim())) if dim in (None, []) or x.dim() == 0 else [d % x.dim() for d in dim]
     count = 1
     for d in dims:
         count *= x.shape[d]
@@ -139,6 +139,7 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
     in_paths = tuple(leaf_paths[i] for i in positions)
     _reject_argument_mutation(module, in_paths, fn, args)
     _reject_random_ops(module)
+    _reject_value_dependent_shapes(module)
     outputs = tuple(
         TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in _output_nodes(module)
     )
@@ -178,6 +179,19 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
         )(*inputs)
 
 
+def _reject_value_dependent_shapes(module: torch.fx.GraphModule) -> None:
+    for n in module.graph.nodes:
+        vals = n.meta.get("val")
+        for v in vals if isinstance(vals, (tuple, list)) else [vals]:
+            if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
+                raise fail(
+                    f"{n.target} at {source_of(n) or n.name} returns a shape that depends on tensor "
+                    f"values ({tuple(v.shape)}); the step is compiled once for fixed shapes.",
+                    "use a fixed-shape formulation (a mask with torch.where instead of nonzero, "
+                    "unique or boolean indexing), or run that op outside the step.",
+                )
+
+
 def _reject_random_ops(module: torch.fx.GraphModule) -> None:
     for n in module.graph.nodes:
         if n.op == "call_function" and str(n.target).rsplit(".", 1)[0] in RANDOM_OPS:
@@ -195,17 +209,27 @@ def _output_nodes(module: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
     text = f"{type(exc).__name__}: {exc}"
+    name = getattr(fn, "__name__", "step")
+    where = user_frame(exc.__traceback__)
+    if "DynamicOutputShape" in text:
+        raise fail(
+            f"{name}: an op at {where} returns a shape that depends on tensor values ({exc}); the step "
+            "is compiled once for fixed shapes.",
+            "use a fixed-shape formulation (e.g. a mask with torch.where instead of nonzero/unique/"
+            "boolean indexing), or run that op outside the step.",
+        ) from None
     data_dependent = (
         "data-dependent" in text
         or "DataDependent" in text
         or "_local_scalar_dense" in text
         or "item()" in text
+        or "data is not allocated" in text
     )
     if data_dependent:
         raise fail(
-            f"{getattr(fn, '__name__', 'step')}: Python control flow depends on tensor values at "
-            f"{user_frame(exc.__traceback__)}. The step is traced once on shapes only, so a branch "
-            "or loop on a tensor's value cannot be compiled.",
+            f"{name}: Python control flow depends on tensor values at {where}. The step is traced "
+            "once on shapes only, so a branch, loop or size computed from a tensor's value cannot be "
+            "compiled.",
             "compute both sides and select with torch.where, or move the decision out of the step "
             "(pass it as a Python scalar argument).",
         ) from None

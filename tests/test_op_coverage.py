@@ -13,6 +13,7 @@ from shardspec.testing import run_distributed
 pytest.importorskip("expecttest", reason="torch's OpInfo database imports expecttest (test extra)")
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # deprecation notices from OpInfo samples
 def test_sharded_ops_never_answer_wrong():
     cases = op_sweep.build_cases(max_ops=80, samples=1, seed=0)
     mesh = Mesh({"x": 2, "y": 2}, simulate=True)

@@ -92,12 +92,18 @@ def permute(node: Node) -> Built:
 
 def view(node: Node) -> Built:
     """view/reshape/squeeze/unsqueeze: dims grouped by equal products; splits and merges become
-    compound factors ``(a b)``; groups that both split and merge keep their factors replicated."""
-    x = node.args[0]
+    compound factors ``(a b)``; groups that both split and merge keep their factors replicated.
+
+    Size-1 dims get no factor (``1``) on either side: matching by size cannot tell which size-1 dim
+    became which, so a split size-1 dim (blocks of 1 and 0) is gathered before a view, never moved.
+    """
+    x = arg(node, 0)
     assert isinstance(x, Node)
     src, dst = shape_of(x), shape_of(node)
-    ins: list[str] = []
-    outs: list[str] = []
+    src_big = [k for k, n in enumerate(src) if n != 1]
+    dst_big = [k for k, n in enumerate(dst) if n != 1]
+    ins = ["1"] * len(src)
+    outs = ["1"] * len(dst)
     i = j = 0
     counter = 0
 
@@ -106,42 +112,37 @@ def view(node: Node) -> Built:
         counter += 1
         return f"f{counter}"
 
-    while i < len(src) or j < len(dst):
-        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            ins.append("1")
-            i += 1
-            continue
-        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            outs.append("1")
-            j += 1
-            continue
-        gi, gj = [i], [j]
-        pi, pj = src[i], dst[j]
+    while i < len(src_big) or j < len(dst_big):
+        gi, gj = [src_big[i]], [dst_big[j]]
+        pi, pj = src[gi[0]], dst[gj[0]]
         i, j = i + 1, j + 1
         while pi != pj:
             if pi < pj:
-                pi *= src[i]
-                gi.append(i)
+                gi.append(src_big[i])
+                pi *= src[src_big[i]]
                 i += 1
             else:
-                pj *= dst[j]
-                gj.append(j)
+                gj.append(dst_big[j])
+                pj *= dst[dst_big[j]]
                 j += 1
         if len(gi) == 1 and len(gj) == 1:
             f = fresh()
-            ins.append(f)
-            outs.append(f)
+            ins[gi[0]], outs[gj[0]] = f, f
         elif len(gi) == 1:  # split
             fs = [fresh() for _ in gj]
-            ins.append("(" + " ".join(fs) + ")")
-            outs.extend(fs)
+            ins[gi[0]] = "(" + " ".join(fs) + ")"
+            for k, f in zip(gj, fs, strict=True):
+                outs[k] = f
         elif len(gj) == 1:  # merge
             fs = [fresh() for _ in gi]
-            ins.extend(fs)
-            outs.append("(" + " ".join(fs) + ")")
+            for k, f in zip(gi, fs, strict=True):
+                ins[k] = f
+            outs[gj[0]] = "(" + " ".join(fs) + ")"
         else:
-            ins.extend(fresh() + "!" for _ in gi)
-            outs.extend(fresh() + "!" for _ in gj)
+            for k in gi:
+                ins[k] = fresh() + "!"
+            for k in gj:
+                outs[k] = fresh() + "!"
     assert math.prod(src) == math.prod(dst)
     return line([ins], [outs]), "one", [x]
 

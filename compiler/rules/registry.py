@@ -16,6 +16,8 @@ from torch.fx import Node
 
 import compiler.rewrites  # noqa: F401  (defines torch.ops.shardspec.matmul)
 from compiler.rules import builders as b
+from compiler.rules import reductions as red
+from compiler.rules import spatial as sp
 from compiler.rules import structural as st
 from compiler.rules.notation import Rule, parse
 
@@ -188,13 +190,107 @@ REGISTRY: dict[Any, Builder] = {
     aten.new_empty.default: b.creation,
     aten.masked_fill.Scalar: partial(b.elementwise, linear="none"),
     aten.gather.default: b.gather,
+    aten.lift_fresh_copy.default: partial(b.elementwise, linear="one"),
+    aten.prod.default: red.everything,
+    aten.max.default: red.everything,
+    aten.min.default: red.everything,
+    aten.median.default: red.everything,
+    aten.nanmedian.default: red.everything,
+    aten.prod.dim_int: partial(red.along, keep_arg=2),
+    aten.argmax.default: partial(red.along, keep_arg=2),
+    aten.argmin.default: partial(red.along, keep_arg=2),
+    aten.max.dim: partial(red.along, keep_arg=2),
+    aten.min.dim: partial(red.along, keep_arg=2),
+    aten.median.dim: partial(red.along, keep_arg=2),
+    aten.nanmedian.dim: partial(red.along, keep_arg=2),
+    aten.mode.default: partial(red.along, default=-1, keep_arg=2),
+    aten.kthvalue.default: partial(red.along, dim_arg=2, default=-1, keep_arg=3),
+    aten.var.correction: partial(red.along, keep_arg=None),
+    aten.var_mean.correction: partial(red.along, keep_arg=None),
+    aten.linalg_vector_norm.default: partial(red.along, dim_arg=2, keep_arg=3),
+    aten.cumsum.default: partial(red.along, drops=False),
+    aten.cumprod.default: partial(red.along, drops=False),
+    aten.cummax.default: partial(red.along, drops=False),
+    aten.cummin.default: partial(red.along, drops=False),
+    aten.logcumsumexp.default: partial(red.along, drops=False),
+    aten.sort.default: partial(red.along, default=-1, drops=False),
+    aten.topk.default: red.topk,
+    aten.flip.default: red.flip,
+    aten.repeat.default: red.repeat,
+    aten.constant_pad_nd.default: red.pad,
+    aten.unbind_copy.int: red.unbind,
+    aten.unbind.int: red.unbind,
+    aten.diagonal.default: red.diagonal,
+    aten.diagonal_copy.default: red.diagonal,
+    aten.narrow_copy.default: st.slice_,
+    aten.convolution.default: sp.convolution,
+    aten.avg_pool2d.default: partial(sp.pooling, spatial=2),
+    aten.avg_pool3d.default: partial(sp.pooling, spatial=3),
+    aten.max_pool2d_with_indices.default: partial(sp.pooling, spatial=2),
+    aten.max_pool3d_with_indices.default: partial(sp.pooling, spatial=3),
+    aten._adaptive_avg_pool2d.default: partial(sp.pooling, spatial=2),
+    aten._adaptive_avg_pool3d.default: partial(sp.pooling, spatial=3),
+    aten.adaptive_max_pool2d.default: partial(sp.pooling, spatial=2),
+    aten.adaptive_max_pool3d.default: partial(sp.pooling, spatial=3),
+    aten.upsample_bilinear2d.default: partial(sp.pooling, spatial=2),
+    aten.upsample_bicubic2d.default: partial(sp.pooling, spatial=2),
+    aten.upsample_trilinear3d.default: partial(sp.pooling, spatial=3),
+    aten.native_batch_norm.default: sp.batch_norm,
+    aten.native_group_norm.default: sp.group_norm,
     aten.scatter.value: b.scatter,
     aten.scatter.src: b.scatter,
 }
 for _op in _ELEMENTWISE_NONLINEAR:
     REGISTRY[_op] = partial(b.elementwise, linear="none")
+_BATCHED_MATRIX = [
+    aten.cholesky.default,
+    aten.cholesky_inverse.default,
+    aten.cholesky_solve.default,
+    aten.linalg_cholesky_ex.default,
+    aten.linalg_inv_ex.default,
+    aten._linalg_det.default,
+    aten._linalg_slogdet.default,
+    aten.linalg_qr.default,
+    aten._linalg_svd.default,
+    aten._linalg_eigh.default,
+    aten.linalg_eig.default,
+    aten.linalg_lu.default,
+    aten.linalg_lu_factor_ex.default,
+    aten.linalg_lu_solve.default,
+    aten._linalg_solve_ex.default,
+    aten.linalg_solve_triangular.default,
+    aten.triangular_solve.default,
+    aten.linalg_matrix_exp.default,
+    aten.linalg_householder_product.default,
+    aten.lu_unpack.default,
+    aten.linalg_ldl_factor_ex.default,
+    aten.linalg_ldl_solve.default,
+    aten.geqrf.default,
+    aten.ormqr.default,
+]
+for _op in _BATCHED_MATRIX:
+    REGISTRY[_op] = red.batched_matrix
 for _op in _ELEMENTWISE_LINEAR_ONE:
     REGISTRY[_op] = partial(b.elementwise, linear="one")
+
+
+# kernels that reject a zero-size block on any dim (an uneven split can leave a rank with none)
+NO_EMPTY_BLOCKS = {
+    aten.convolution.default,
+    aten.native_batch_norm.default,
+    aten.native_group_norm.default,
+    aten.avg_pool2d.default,
+    aten.avg_pool3d.default,
+    aten.max_pool2d_with_indices.default,
+    aten.max_pool3d_with_indices.default,
+    aten._adaptive_avg_pool2d.default,
+    aten._adaptive_avg_pool3d.default,
+    aten.adaptive_max_pool2d.default,
+    aten.adaptive_max_pool3d.default,
+    aten.upsample_bilinear2d.default,
+    aten.upsample_bicubic2d.default,
+    aten.upsample_trilinear3d.default,
+}
 
 
 def rule_for(node: Node) -> tuple[Rule, list[Node]]:
@@ -202,5 +298,22 @@ def rule_for(node: Node) -> tuple[Rule, list[Node]]:
     build = REGISTRY.get(node.target)
     if build is None:
         raise MissingRule(str(node.target))
-    text, linear, operands = build(node)
-    return parse(text, linear), operands
+    try:
+        text, linear, operands = build(node)
+    except (KeyError, IndexError, TypeError, ValueError, AssertionError) as exc:
+        raise MissingRule(f"{node.target} ({exc})") from None
+    rule = parse(text, linear)
+    _check_fits(node, rule, operands)
+    return rule, operands
+
+
+def _check_fits(node: Node, rule: Rule, operands: list[Node]) -> None:
+    """A rule must match the node's operand and output ranks; one that does not is not a rule for
+    this call (and using it could place data wrongly), so the op counts as having none."""
+    vals = node.meta["val"]
+    outs = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    ok = len(rule.operands) == len(operands) and len(rule.outputs) == len(outs)
+    ok = ok and all(len(t) == len(b.shape_of(o)) for t, o in zip(rule.operands, operands, strict=False))
+    ok = ok and all(v is None or len(t) == v.dim() for t, v in zip(rule.outputs, outs, strict=False))
+    if not ok:
+        raise MissingRule(f"{node.target} (its rule {rule.text!r} does not fit these shapes)")

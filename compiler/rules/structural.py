@@ -39,6 +39,8 @@ def index_put(node: Node) -> Built:
         raise KeyError("index_put with several index tensors")
     idx = indices[0]
     xs, ishape = shape_of(x), shape_of(idx)
+    if not xs or shape_of(values) != (*ishape, *xs[1:]):
+        raise KeyError("index_put with broadcast values")
     rest = letters(len(xs) - 1, 100)
     it = [f"i{k}" + ("" if accumulate else "!") for k in range(len(ishape))]
     return (
@@ -117,6 +119,8 @@ def slice_scatter(node: Node) -> Built:
 def index_select(node: Node) -> Built:
     x, idx = arg(node, 0), arg(node, 2)
     xs = shape_of(x)
+    if not xs:
+        raise KeyError("index_select of a 0-dim tensor")
     dim = _norm(arg(node, 1), len(xs))
     names = letters(len(xs))
     out = ["i" if k == dim else n for k, n in enumerate(names)]

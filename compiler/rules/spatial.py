@@ -1,0 +1,67 @@
+"""Rule builders for convolution, pooling, batch/group norm and upsampling: batch and channel dims
+pass through (input channels of a convolution are a contraction), spatial dims stay whole."""
+
+from __future__ import annotations
+
+from torch.fx import Node
+
+from compiler.rules.builders import Built, arg, shape_of
+from compiler.rules.notation import line
+
+
+def convolution(node: Node) -> Built:
+    x, w, bias = arg(node, 0), arg(node, 1), arg(node, 2)
+    transposed, groups = bool(arg(node, 6, False)), int(arg(node, 8, 1))
+    spatial = len(shape_of(w)) - 2  # the weight is (out, in, *kernel): its rank fixes the spatial dims
+    batch = ["n"] if len(shape_of(x)) == spatial + 2 else []
+    sp_in = [f"s{k}!" for k in range(spatial)]
+    sp_w = [f"k{k}!" for k in range(spatial)]
+    sp_out = [f"t{k}!" for k in range(spatial)]
+    c, o = ("c", "o") if groups == 1 else ("c!", "o!")
+    wt = [c, o, *sp_w] if transposed else [o, c, *sp_w]
+    operands, tokens = [x, w], [[*batch, c, *sp_in], wt]
+    if isinstance(bias, Node):
+        operands.append(bias)
+        tokens.append([o])
+    return line(tokens, [[*batch, o, *sp_out]]), "none", operands
+
+
+def pooling(node: Node, spatial: int) -> Built:
+    """avg/max/adaptive pooling and upsampling over ``spatial`` trailing dims, which stay whole;
+    the leading (batch, channel) dims pass through, whether or not a batch dim is present."""
+    x = arg(node, 0)
+    n = len(shape_of(x))
+    lead = [f"l{k}" for k in range(n - spatial)]
+    ins = [*lead, *(f"s{k}!" for k in range(spatial))]
+    vals = node.meta["val"]
+    outs = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    otoks = [[*lead, *(f"o{j}{k}!" for k in range(v.dim() - len(lead)))] for j, v in enumerate(outs)]
+    return line([ins], otoks), "none", [x]
+
+
+def batch_norm(node: Node) -> Built:
+    """native_batch_norm: statistics over batch and spatial dims, so only channels pass through."""
+    x = arg(node, 0)
+    n = len(shape_of(x))
+    ins = ["n!", "c", *(f"s{k}!" for k in range(n - 2))]
+    operands, tokens = [x], [ins]
+    for a in node.args[1:5]:
+        if isinstance(a, Node):
+            operands.append(a)
+            tokens.append(["c"])
+    vals = node.meta["val"]
+    outs = [ins] + [["c"] if v.dim() == 1 else [f"e{j}!" for j in range(v.dim())] for v in vals[1:]]
+    return line(tokens, outs), "none", operands
+
+
+def group_norm(node: Node) -> Built:
+    """native_group_norm: statistics per (sample, group): the batch dim passes through."""
+    x, w, b = arg(node, 0), arg(node, 1), arg(node, 2)
+    n = len(shape_of(x))
+    ins = ["n", "c!", *(f"s{k}!" for k in range(n - 2))]
+    operands, tokens = [x], [ins]
+    for a in (w, b):
+        if isinstance(a, Node):
+            operands.append(a)
+            tokens.append(["c!"])
+    return line(tokens, [ins, ["n", "g!"], ["n", "g!"]]), "none", operands
