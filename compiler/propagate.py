@@ -34,7 +34,31 @@ from shardspec.errors import ShardingError, fail
 from shardspec.mesh import Mesh
 
 CONSTRAIN = torch.ops.shardspec.constrain.default
-Want = tuple[Axes | None, ...]  # per dim: the axes a consumer wants, or None for no preference
+Want = tuple[Axes | None, ...]
+aten = torch.ops.aten
+_VIEW_LIKE = {
+    aten.permute.default,
+    aten.permute_copy.default,
+    aten.t.default,
+    aten.t_copy.default,
+    aten.transpose.int,
+    aten.transpose_copy.int,
+    aten.view.default,
+    aten.view_copy.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.unsqueeze_copy.default,
+    aten.squeeze.dims,
+    aten.squeeze_copy.dims,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.expand.default,
+    aten.expand_copy.default,
+    aten.alias.default,
+    aten.alias_copy.default,
+    aten.slice_copy.Tensor,
+}  # per dim: the axes a consumer wants, or None for no preference
 
 
 @dataclass(frozen=True)
@@ -292,7 +316,17 @@ class _Propagator:
             if s != r and (o, r) in self.memo:
                 reused += 1  # an earlier op already paid to move this value here
             elif (o, r) not in self.memo:
-                b, c = cost(plan(shape(o), o.meta["val"].dtype, s, r, self.mesh))
+                steps = plan(shape(o), o.meta["val"].dtype, s, r, self.mesh)
+                b, c = cost(steps)
+                moves = cost([st for st in steps if st.kind in ("all_gather", "all_to_all")])[0]
+                if s.dims != r.dims and not self.param_like(o):
+                    # moving a computed value to another layout usually means moving it back later
+                    # (the residual stream, backward): price the round trip
+                    b += moves
+                elif s.dims != r.dims:
+                    # a gathered parameter serves forward and backward alike (reused, not
+                    # re-gathered): each use carries half
+                    b -= moves / 2
                 nbytes, ncoll = nbytes + b, ncoll + c
         for f in rule.reductions:
             if a[f] and any(
@@ -311,7 +345,7 @@ class _Propagator:
 
     def want_target(self, node: Node, outputs: tuple[Sharding, ...]) -> Sharding | None:
         """The output's want merged with the candidate where the want has no preference."""
-        w = self.want.get(node)
+        w = self.want.get(node) or self.consumer_hint(node)
         if w is None or len(outputs) != 1 or len(w) != len(outputs[0].dims):
             return None
         dims = [axes if axes is not None else () for axes in w]
@@ -321,6 +355,51 @@ class _Propagator:
                 dims[k] = outputs[0].dims[k]
                 taken |= set(dims[k])
         return Sharding(tuple(dims))
+
+    def param_like(self, node: Node) -> bool:
+        """An input, or a view / transpose / cast / copy of one (a weight's ``.t()`` included)."""
+        if node.op in ("placeholder", "get_attr"):
+            return True
+        if node.op != "call_function" or node.target not in _VIEW_LIKE:
+            return False
+        srcs = [a for a in node.args if isinstance(a, Node)]
+        return len(srcs) == 1 and self.param_like(srcs[0])
+
+    def consumer_hint(self, node: Node, depth: int = 0) -> Want | None:
+        """A few steps of lookahead: the layout that a consumer's already-placed operands imply for
+        this value (the residual stream tells an attention output which way to come out). Computed
+        values speak first; parameters (placeholders) are weak evidence, since they are often
+        gathered anyway, so past them the consumer's own consumers are asked."""
+        for user in node.users:
+            if user.op != "call_function" or user.target in (CONSTRAIN, operator.getitem):
+                continue
+            try:
+                rule, operands = self.rule(user)
+            except ShardingError:
+                continue
+            if node not in operands or len(rule.outputs) != 1:
+                continue
+            factors: dict[str, Axes] = {}
+            for o, toks in zip(operands, rule.operands, strict=True):
+                s = self.result.value.get(o) if o is not node and o.op != "placeholder" else None
+                if isinstance(s, Sharding) and len(s.dims) == len(toks):
+                    for t, axes in zip(toks, s.dims, strict=True):
+                        if t and axes and t[0] not in rule.reductions:
+                            factors.setdefault(t[0], axes)
+            if not factors and depth < 3 and not rule.reductions:
+                later = self.consumer_hint(user, depth + 1)
+                if later is not None and len(later) == len(rule.outputs[0]):
+                    factors = {
+                        t[0]: axes for t, axes in zip(rule.outputs[0], later, strict=True) if t and axes
+                    }
+            if not factors:
+                continue
+            toks = rule.operands[operands.index(node)]
+            dims = tuple(factors.get(t[0]) if t else None for t in toks)
+            flat = [x for d in dims if d for x in d]
+            if any(d is not None for d in dims) and len(flat) == len(set(flat)):
+                return dims
+        return None
 
     def factor_sizes(self, rule: Rule, operands: list[Node], node: Node) -> dict[str, int]:
         sizes: dict[str, int] = {}
