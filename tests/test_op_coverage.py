@@ -20,7 +20,7 @@ def test_sharded_ops_never_answer_wrong():
     results = [op_sweep.run_ours(c, mesh) for c in cases]
     counts, per_op = op_sweep.summarize(cases, results)
     assert counts["mismatch"] == 0, sorted(k for k, v in per_op.items() if v == "mismatch")
-    assert counts["pass"] >= 42  # measured on this slice when the sweep was recorded: a floor
+    assert counts["pass"] >= 64  # measured on this slice when the sweep was recorded: a floor
 
 
 @pytest.mark.multiprocess

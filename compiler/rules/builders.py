@@ -32,15 +32,33 @@ def tensor_args(node: Node) -> list[Node]:
 
 
 def elementwise(node: Node, linear: str) -> Built:
-    """Broadcasting elementwise op: operand dims align from the right with the output's."""
+    """Broadcasting elementwise op: operand dims align from the right with the output's.
+
+    Every output dim must come from some operand of that size (else it is not elementwise: glu
+    halves a dim, for one) — a dim only the output had would be split on a rank that computed it
+    whole."""
     operands = tensor_args(node)
     out = shape_of(node)
     names = letters(len(out))
     tokens = []
+    covered = [False] * len(out)
     for op in operands:
         s = shape_of(op)
         off = len(out) - len(s)
-        tokens.append([names[off + j] if s[j] == out[off + j] else "1" for j in range(len(s))])
+        if off < 0:
+            raise KeyError("an operand has more dims than the result")
+        row = []
+        for j in range(len(s)):
+            if s[j] == out[off + j]:
+                row.append(names[off + j])
+                covered[off + j] = True
+            elif s[j] == 1:
+                row.append("1")
+            else:
+                raise KeyError(f"operand dim of size {s[j]} against result size {out[off + j]}")
+        tokens.append(row)
+    if operands and not all(covered[k] or out[k] == 1 for k in range(len(out))):
+        raise KeyError("a result dim no operand has")
     return line(tokens, [names]), linear, operands
 
 

@@ -139,3 +139,48 @@ def reduce_any(node: Node, dims: Sequence[int] | None = None) -> Built:
     from compiler.rules.builders import reduction
 
     return reduction(node, kind="max")
+
+
+def lookup(node: Node, table_first: bool) -> Built:
+    """bucketize(x, boundaries) / searchsorted(sorted, x): the 1-D table stays whole, the queried
+    values pass through."""
+    table, x = (arg(node, 0), arg(node, 1)) if table_first else (arg(node, 1), arg(node, 0))
+    if len(shape_of(table)) != 1:
+        raise KeyError("a batched lookup table")
+    names = letters(len(shape_of(x)))
+    operands, tokens = ([table, x], [["t!"], names]) if table_first else ([x, table], [names, ["t!"]])
+    return line(tokens, [names]), "none", operands
+
+
+def bias_contraction(node: Node) -> Built:
+    """addmv(bias, mat, vec) / addbmm(bias, b1, b2): a bias added to a contraction is not linear in
+    a pending sum (each device would add it), so the contracted dims stay whole. The bias
+    broadcasts against the result like any elementwise operand."""
+    bias, a, b = arg(node, 0), arg(node, 1), arg(node, 2)
+    out = shape_of(node)
+    names = ["i", "j"][: len(out)]
+    bs = shape_of(bias)
+    off = len(out) - len(bs)
+    bt = [names[off + k] if bs[k] == out[off + k] else "1" for k in range(len(bs))]
+    if len(shape_of(a)) == 2:  # addmv
+        return line([bt, ["i", "k!"], ["k!"]], [["i"]]), "none", [bias, a, b]
+    return line([bt, ["b!", "i", "k!"], ["b!", "k!", "j"]], [["i", "j"]]), "none", [bias, a, b]
+
+
+def two_outputs(node: Node) -> Built:
+    """frexp: elementwise with two results."""
+    x = arg(node, 0)
+    names = letters(len(shape_of(x)))
+    return line([names], [names, names]), "none", [x]
+
+
+def pool_backward(node: Node) -> Built:
+    """max_pool2d_with_indices_backward(grad, x, ..., indices): (batch, channel) pass through."""
+    grad, x, idx = arg(node, 0), arg(node, 1), arg(node, 7)
+    n = len(shape_of(x))
+    lead = [f"l{k}" for k in range(n - 2)]
+    return (
+        line([[*lead, "g0!", "g1!"], [*lead, "s0!", "s1!"], [*lead, "g0!", "g1!"]], [[*lead, "s0!", "s1!"]]),
+        "none",
+        [grad, x, idx],
+    )
