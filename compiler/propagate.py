@@ -18,180 +18,31 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.fx import Node
 
-from compiler.constrain import decode
+from compiler.lookahead import Lookahead
+from compiler.pending import PendingSums
+from compiler.propagate_state import (
+    CONSTRAIN,
+    OpPlan,
+    Propagation,
+    shape,
+)
 from compiler.reshard import cost, plan
 from compiler.rules.notation import Rule, parse
-from compiler.rules.registry import NO_EMPTY_BLOCKS, MissingRule, rule_for
+from compiler.rules.registry import NO_EMPTY_BLOCKS
 from compiler.sharding import Axes, Sharding
 from compiler.sources import source_of
-from shardspec.errors import ShardingError, fail
+from shardspec.errors import fail
 from shardspec.mesh import Mesh
 
-CONSTRAIN = torch.ops.shardspec.constrain.default
-Want = tuple[Axes | None, ...]
-aten = torch.ops.aten
-_VIEW_LIKE = {
-    aten.permute.default,
-    aten.permute_copy.default,
-    aten.t.default,
-    aten.t_copy.default,
-    aten.transpose.int,
-    aten.transpose_copy.int,
-    aten.view.default,
-    aten.view_copy.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.unsqueeze.default,
-    aten.unsqueeze_copy.default,
-    aten.squeeze.dims,
-    aten.squeeze_copy.dims,
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.expand.default,
-    aten.expand_copy.default,
-    aten.alias.default,
-    aten.alias_copy.default,
-    aten.slice_copy.Tensor,
-}  # per dim: the axes a consumer wants, or None for no preference
+__all__ = ["CONSTRAIN", "OpPlan", "Propagation", "propagate", "shape"]
 
 
-@dataclass(frozen=True)
-class OpPlan:
-    """What one op runs on: its rule, operands, their required shardings, and its outputs'."""
-
-    rule: Rule
-    operands: tuple[Node, ...]
-    required: tuple[Sharding, ...]
-    outputs: tuple[Sharding, ...]
-    assignment: tuple[tuple[str, Axes], ...]
-
-
-@dataclass
-class Propagation:
-    value: dict[Node, Sharding] = field(default_factory=dict)
-    plans: dict[Node, OpPlan] = field(default_factory=dict)
-    outputs: list[Sharding] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def _node(a: Any) -> Node:
-    assert isinstance(a, Node), a
-    return a
-
-
-def _numel(n: Node) -> int:
-    v = n.meta["val"]
-    return int(v.numel()) if isinstance(v, torch.Tensor) else 0
-
-
-def shape(n: Node) -> tuple[int, ...]:
-    return tuple(n.meta["val"].shape)
-
-
-def _replicate_rule(node: Node) -> tuple[Rule, list[Node]]:
-    operands = [a for a in node.args if isinstance(a, Node)]
-    toks = [[f"o{i}_{d}!" for d in range(len(shape(a)))] for i, a in enumerate(operands)]
-    vals = node.meta["val"]
-    outs = vals if isinstance(vals, (tuple, list)) else [vals]
-    otoks = [[f"r{i}_{d}!" for d in range(v.dim())] for i, v in enumerate(outs)]
-    from compiler.rules.notation import line
-
-    return parse(line(toks, otoks), "none"), operands
-
-
-class _Propagator:
-    def __init__(
-        self,
-        graph: torch.fx.Graph,
-        inputs: list[Sharding],
-        outputs: list[Sharding],
-        mesh: Mesh,
-        unsupported: str,
-        strict: bool = False,
-    ) -> None:
-        self.graph, self.mesh, self.unsupported, self.strict = graph, mesh, unsupported, strict
-        self.result = Propagation()
-        self.inputs, self.out_specs = inputs, outputs
-        self.want: dict[Node, Want] = {}
-        self.memo: set[tuple[Node, Sharding]] = set()
-        self.rules: dict[Node, tuple[Rule, list[Node]]] = {}
-        self.partial_hint: set[Node] = set()  # values that ended Partial in the previous pass
-
-    def rule(self, node: Node) -> tuple[Rule, list[Node]]:
-        if node not in self.rules:
-            try:
-                self.rules[node] = rule_for(node)
-            except MissingRule:
-                if self.unsupported != "replicate":
-                    where = source_of(node) or "an op with no recorded source line"
-                    raise fail(
-                        f"no sharding rule for {node.target} (from {where}).",
-                        "rewrite that line with supported ops, or pass unsupported='replicate' to "
-                        "sharded() to gather this op's inputs (a warning names each such op).",
-                    ) from None
-                import warnings
-
-                warnings.warn(
-                    f"shardspec: no sharding rule for {node.target} ({source_of(node)}); "
-                    "gathering its inputs and running it replicated",
-                    stacklevel=2,
-                )
-                self.rules[node] = _replicate_rule(node)
-                self.result.notes.append(f"replicated fallback for {node.target} ({source_of(node)})")
-        return self.rules[node]
-
-    def constraint(self, node: Node) -> Sharding:
-        """The sharding a ``constrain`` node pins, checked against the mesh."""
-        spec = decode(str(node.kwargs["spec"]))
-        where = source_of(node)
-        if where.startswith("backward of "):
-            where = where[len("backward of ") :]
-        spec.validate(
-            self.mesh, len(shape(node)), name=f"constrain at {where or node.name}", shape=shape(node)
-        )
-        return Sharding.of(spec, len(shape(node)))
-
-    # ---- backward sweep: wants -------------------------------------------------------------
-    def sweep_wants(self) -> None:
-        nodes = list(self.graph.nodes)
-        out = nodes[-1]
-        for v, s in zip(out.args[0], self.out_specs, strict=True):
-            if isinstance(v, Node):
-                self.want.setdefault(v, s.dims)
-        for node in reversed(nodes):
-            if node.op != "call_function":
-                continue
-            if node.target is CONSTRAIN:
-                fixed = self.constraint(node).dims
-                self.want[node] = fixed
-                self.want.setdefault(_node(node.args[0]), fixed)
-                continue
-            w = self.want.get(node)
-            if w is None or node.target is operator.getitem:
-                continue
-            try:
-                rule, operands = self.rule(node)
-            except ShardingError:
-                continue
-            if len(rule.outputs) != 1 or len(rule.outputs[0]) != len(w) or rule.reductions:
-                continue  # a contraction's output layout says nothing reliable about its operands
-            fw = {
-                dim[0]: axes for dim, axes in zip(rule.outputs[0], w, strict=True) if dim and axes is not None
-            }
-            for op, toks in zip(operands, rule.operands, strict=True):
-                if op in self.want or len(toks) != len(shape(op)):
-                    continue
-                dims = tuple(fw.get(t[0]) if t and t[0] not in rule.minor else None for t in toks)
-                flat = [a for d in dims if d for a in d]
-                if len(flat) == len(set(flat)) and any(d is not None for d in dims):
-                    self.want[op] = dims
-
+class _Propagator(Lookahead, PendingSums):
     # ---- forward sweep ---------------------------------------------------------------------
     def run(self) -> Propagation:
         self.sweep_wants()
@@ -343,64 +194,6 @@ class _Propagator:
         p = OpPlan(rule, tuple(operands), required, outputs, tuple(sorted(a.items())))
         return (penalty, nbytes, ncoll, -reused, -nsplit), p
 
-    def want_target(self, node: Node, outputs: tuple[Sharding, ...]) -> Sharding | None:
-        """The output's want merged with the candidate where the want has no preference."""
-        w = self.want.get(node) or self.consumer_hint(node)
-        if w is None or len(outputs) != 1 or len(w) != len(outputs[0].dims):
-            return None
-        dims = [axes if axes is not None else () for axes in w]
-        taken = {a for d in dims for a in d}
-        for k, axes in enumerate(w):
-            if axes is None and not taken & set(outputs[0].dims[k]):
-                dims[k] = outputs[0].dims[k]
-                taken |= set(dims[k])
-        return Sharding(tuple(dims))
-
-    def param_like(self, node: Node) -> bool:
-        """An input, or a view / transpose / cast / copy of one (a weight's ``.t()`` included)."""
-        if node.op in ("placeholder", "get_attr"):
-            return True
-        if node.op != "call_function" or node.target not in _VIEW_LIKE:
-            return False
-        srcs = [a for a in node.args if isinstance(a, Node)]
-        return len(srcs) == 1 and self.param_like(srcs[0])
-
-    def consumer_hint(self, node: Node, depth: int = 0) -> Want | None:
-        """A few steps of lookahead: the layout that a consumer's already-placed operands imply for
-        this value (the residual stream tells an attention output which way to come out). Computed
-        values speak first; parameters (placeholders) are weak evidence, since they are often
-        gathered anyway, so past them the consumer's own consumers are asked."""
-        for user in node.users:
-            if user.op != "call_function" or user.target in (CONSTRAIN, operator.getitem):
-                continue
-            try:
-                rule, operands = self.rule(user)
-            except ShardingError:
-                continue
-            if node not in operands or len(rule.outputs) != 1:
-                continue
-            factors: dict[str, Axes] = {}
-            for o, toks in zip(operands, rule.operands, strict=True):
-                s = self.result.value.get(o) if o is not node and o.op != "placeholder" else None
-                if isinstance(s, Sharding) and len(s.dims) == len(toks):
-                    for t, axes in zip(toks, s.dims, strict=True):
-                        if t and axes and t[0] not in rule.reductions:
-                            factors.setdefault(t[0], axes)
-            if not factors and depth < 3 and not rule.reductions:
-                later = self.consumer_hint(user, depth + 1)
-                if later is not None and len(later) == len(rule.outputs[0]):
-                    factors = {
-                        t[0]: axes for t, axes in zip(rule.outputs[0], later, strict=True) if t and axes
-                    }
-            if not factors:
-                continue
-            toks = rule.operands[operands.index(node)]
-            dims = tuple(factors.get(t[0]) if t else None for t in toks)
-            flat = [x for d in dims if d for x in d]
-            if any(d is not None for d in dims) and len(flat) == len(set(flat)):
-                return dims
-        return None
-
     def factor_sizes(self, rule: Rule, operands: list[Node], node: Node) -> dict[str, int]:
         sizes: dict[str, int] = {}
         vals = node.meta["val"]
@@ -413,58 +206,6 @@ class _Propagator:
                 if len(t) == 1:
                     sizes[t[0]] = n
         return sizes
-
-    def kept_partials(
-        self, node: Node, rule: Rule, operands: list[Node], current: list[Sharding], used: set[str]
-    ) -> dict[int, Axes]:
-        """Which operands stay Partial through this op (the rest get reduced first)."""
-        partial = [i for i, s in enumerate(current) if s.partial]
-        if not partial or rule.linear == "none":
-            return {}
-        reduced = {o for (o, r) in self.memo if not r.partial}  # already reduced: reuse that
-        ok = [
-            i
-            for i in partial
-            if not used & set(current[i].partial)
-            and operands[i] not in reduced
-            and not self.must_reduce_now(operands[i], node)
-        ]
-        if rule.linear == "all":
-            axes = {current[i].partial for i in range(len(current))}
-            if len(ok) == len(current) and len(axes) == 1:
-                return {i: current[i].partial for i in ok}
-            return {}
-        if len(partial) != 1 or len(ok) != 1 or operands.count(operands[ok[0]]) > 1:
-            return {}
-        if (rule.linear == "first" and ok[0] != 0) or (rule.linear == "last" and ok[0] != len(operands) - 1):
-            return {}
-        if _numel(node) > _numel(operands[ok[0]]):
-            return {}  # the pending sum would grow: reducing the operand now sends fewer bytes
-        return {ok[0]: current[ok[0]].partial}
-
-    def must_reduce_now(self, value: Node, consumer: Node) -> bool:
-        """True when another consumer of ``value`` cannot take it Partial: reduce once, here."""
-        for user in value.users:
-            if user is consumer:
-                continue
-            if user.op == "output" or user.target is CONSTRAIN:
-                return True
-            try:
-                rule, operands = self.rule(user)
-            except ShardingError:
-                return True
-            if rule.linear == "none" or operands.count(value) > 1:
-                return True
-            if rule.linear == "first" and operands[0] is not value:
-                return True
-            if rule.linear == "last" and operands[-1] is not value:
-                return True
-            others = [o for o in operands if o is not value]
-            if rule.linear in ("one", "first", "last") and any(o in self.partial_hint for o in others):
-                return True
-            if rule.linear == "all" and not all(o in self.partial_hint for o in others):
-                return True
-        return False
 
 
 def propagate(

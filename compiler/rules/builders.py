@@ -194,11 +194,11 @@ def softmax_like(node: Node, operands: int, linear: str) -> Built:
     return line([names] * operands, [names]), linear, xs
 
 
-def gather(node: Node) -> Built:
-    x, idx = arg(node, 0), arg(node, 2)
-    dim = int(arg(node, 1)) % len(shape_of(x))
-    assert isinstance(x, Node) and isinstance(idx, Node)
-    xs, ids = shape_of(x), shape_of(idx)
+def _index_tokens(
+    xs: tuple[int, ...], ids: tuple[int, ...], dim: int, index_dim_whole: bool
+) -> tuple[list[str], list[str]]:
+    """Factors of gather/scatter's input and index: dims other than ``dim`` where the sizes agree
+    are shared; the rest stay whole, except the index's own ``dim`` when a gather may split it."""
     xt, it = [], []
     for k in range(len(xs)):
         if k != dim and xs[k] == ids[k]:
@@ -206,24 +206,24 @@ def gather(node: Node) -> Built:
             it.append(f"d{k}")
         else:
             xt.append(f"x{k}!")
-            it.append(f"i{k}" + ("!" if k != dim else ""))
+            it.append(f"i{k}" if k == dim and not index_dim_whole else f"i{k}!")
+    return xt, it
+
+
+def gather(node: Node) -> Built:
+    x, idx = arg(node, 0), arg(node, 2)
+    assert isinstance(x, Node) and isinstance(idx, Node)
+    dim = int(arg(node, 1)) % len(shape_of(x))
+    xt, it = _index_tokens(shape_of(x), shape_of(idx), dim, index_dim_whole=False)
     return line([xt, it], [it]), "first", [x, idx]
 
 
 def scatter(node: Node) -> Built:
     x, idx = arg(node, 0), arg(node, 2)
-    dim = int(arg(node, 1)) % len(shape_of(x))
     assert isinstance(x, Node) and isinstance(idx, Node)
+    dim = int(arg(node, 1)) % len(shape_of(x))
     src = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], Node) else None
-    xs, ids = shape_of(x), shape_of(idx)
-    xt, it = [], []
-    for k in range(len(xs)):
-        if k != dim and xs[k] == ids[k]:
-            xt.append(f"d{k}")
-            it.append(f"d{k}")
-        else:
-            xt.append(f"x{k}!")
-            it.append(f"i{k}!")
+    xt, it = _index_tokens(shape_of(x), shape_of(idx), dim, index_dim_whole=True)
     operands, tokens = [x, idx], [xt, it]
     if src is not None:
         operands.append(src)

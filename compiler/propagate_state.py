@@ -1,0 +1,143 @@
+"""Shared state of the propagation sweeps: the plan types, the rules cache, constraints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from compiler.constrain import decode
+from compiler.rules.notation import Rule, parse
+from compiler.rules.registry import MissingRule, rule_for
+from compiler.sharding import Axes, Sharding
+from compiler.sources import source_of
+from shardspec.errors import fail
+from shardspec.mesh import Mesh
+
+CONSTRAIN = torch.ops.shardspec.constrain.default
+Want = tuple[Axes | None, ...]
+aten = torch.ops.aten
+_VIEW_LIKE = {
+    aten.permute.default,
+    aten.permute_copy.default,
+    aten.t.default,
+    aten.t_copy.default,
+    aten.transpose.int,
+    aten.transpose_copy.int,
+    aten.view.default,
+    aten.view_copy.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.unsqueeze_copy.default,
+    aten.squeeze.dims,
+    aten.squeeze_copy.dims,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.expand.default,
+    aten.expand_copy.default,
+    aten.alias.default,
+    aten.alias_copy.default,
+    aten.slice_copy.Tensor,
+}  # per dim: the axes a consumer wants, or None for no preference
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """What one op runs on: its rule, operands, their required shardings, and its outputs'."""
+
+    rule: Rule
+    operands: tuple[Node, ...]
+    required: tuple[Sharding, ...]
+    outputs: tuple[Sharding, ...]
+    assignment: tuple[tuple[str, Axes], ...]
+
+
+@dataclass
+class Propagation:
+    value: dict[Node, Sharding] = field(default_factory=dict)
+    plans: dict[Node, OpPlan] = field(default_factory=dict)
+    outputs: list[Sharding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _node(a: Any) -> Node:
+    assert isinstance(a, Node), a
+    return a
+
+
+def _numel(n: Node) -> int:
+    v = n.meta["val"]
+    return int(v.numel()) if isinstance(v, torch.Tensor) else 0
+
+
+def shape(n: Node) -> tuple[int, ...]:
+    return tuple(n.meta["val"].shape)
+
+
+def _replicate_rule(node: Node) -> tuple[Rule, list[Node]]:
+    operands = [a for a in node.args if isinstance(a, Node)]
+    toks = [[f"o{i}_{d}!" for d in range(len(shape(a)))] for i, a in enumerate(operands)]
+    vals = node.meta["val"]
+    outs = vals if isinstance(vals, (tuple, list)) else [vals]
+    otoks = [[f"r{i}_{d}!" for d in range(v.dim())] for i, v in enumerate(outs)]
+    from compiler.rules.notation import line
+
+    return parse(line(toks, otoks), "none"), operands
+
+
+class PropagatorBase:
+    """What every part of the propagator reads and writes."""
+
+    def __init__(
+        self,
+        graph: torch.fx.Graph,
+        inputs: list[Sharding],
+        outputs: list[Sharding],
+        mesh: Mesh,
+        unsupported: str,
+        strict: bool = False,
+    ) -> None:
+        self.graph, self.mesh, self.unsupported, self.strict = graph, mesh, unsupported, strict
+        self.result = Propagation()
+        self.inputs, self.out_specs = inputs, outputs
+        self.want: dict[Node, Want] = {}
+        self.memo: set[tuple[Node, Sharding]] = set()
+        self.rules: dict[Node, tuple[Rule, list[Node]]] = {}
+        self.partial_hint: set[Node] = set()  # values that ended Partial in the previous pass
+
+    def rule(self, node: Node) -> tuple[Rule, list[Node]]:
+        if node not in self.rules:
+            try:
+                self.rules[node] = rule_for(node)
+            except MissingRule:
+                if self.unsupported != "replicate":
+                    where = source_of(node) or "an op with no recorded source line"
+                    raise fail(
+                        f"no sharding rule for {node.target} (from {where}).",
+                        "rewrite that line with supported ops, or pass unsupported='replicate' to "
+                        "sharded() to gather this op's inputs (a warning names each such op).",
+                    ) from None
+                import warnings
+
+                warnings.warn(
+                    f"shardspec: no sharding rule for {node.target} ({source_of(node)}); "
+                    "gathering its inputs and running it replicated",
+                    stacklevel=2,
+                )
+                self.rules[node] = _replicate_rule(node)
+                self.result.notes.append(f"replicated fallback for {node.target} ({source_of(node)})")
+        return self.rules[node]
+
+    def constraint(self, node: Node) -> Sharding:
+        """The sharding a ``constrain`` node pins, checked against the mesh."""
+        spec = decode(str(node.kwargs["spec"]))
+        where = source_of(node)
+        if where.startswith("backward of "):
+            where = where[len("backward of ") :]
+        spec.validate(
+            self.mesh, len(shape(node)), name=f"constrain at {where or node.name}", shape=shape(node)
+        )
+        return Sharding.of(spec, len(shape(node)))
