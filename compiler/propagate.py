@@ -37,6 +37,7 @@ from compiler.rules.registry import NO_EMPTY_BLOCKS
 from compiler.sharding import Axes, Sharding
 from compiler.sources import source_of
 from shardspec.errors import fail
+from shardspec.layout import chunk_sizes
 from shardspec.mesh import Mesh
 
 __all__ = ["CONSTRAIN", "OpPlan", "Propagation", "propagate", "shape"]
@@ -146,8 +147,8 @@ class _Propagator(Lookahead, PendingSums):
         sizes = self.factor_sizes(rule, operands, node)
         no_empty = set(rule.factors) if node.target in NO_EMPTY_BLOCKS else rule.reductions
         for f in no_empty:  # some kernels (convolution, and any sum over nothing) reject empty blocks
-            if a[f] and sizes.get(f, 0) < self.mesh.axis_size(a[f]):
-                return None
+            if a[f] and min(chunk_sizes(sizes.get(f, 0), self.mesh.axis_size(a[f]))) == 0:
+                return None  # torch.chunk leaves some rank an empty block (4 over 3: 2, 2, 0)
         for dims in (*rule.operands, *rule.outputs):
             for t in dims:
                 if len(t) > 1 and a[t[0]] and sizes.get(t[0], 0) % self.mesh.axis_size(a[t[0]]):

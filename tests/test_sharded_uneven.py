@@ -41,3 +41,15 @@ def test_empty_shards_are_fine():
     f = sharded(step, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
     x = torch.randn(2, 5)
     torch.testing.assert_close(f(w, x), step(w, x))
+
+
+def test_kernels_that_reject_empty_blocks_never_get_one():
+    """4 channels over 3 devices is torch.chunk blocks 2, 2, 0: pooling must not see the empty one."""
+    mesh = Mesh({"a": 3}, simulate=True)
+
+    def pool(x):
+        return torch.nn.functional.max_pool1d(x, 2)
+
+    x = torch.randn(2, 4, 9)
+    f = sharded(pool, mesh=mesh, in_specs=(P(None, "a"),), out_specs=P())
+    torch.testing.assert_close(f(x), pool(x))
