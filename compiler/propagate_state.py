@@ -78,7 +78,7 @@ def shape(n: Node) -> tuple[int, ...]:
 
 
 def _replicate_rule(node: Node) -> tuple[Rule, list[Node]]:
-    operands = [a for a in node.args if isinstance(a, Node)]
+    operands = list(node.all_input_nodes)  # tensors nested in list arguments and kwargs too
     toks = [[f"o{i}_{d}!" for d in range(len(shape(a)))] for i, a in enumerate(operands)]
     vals = node.meta["val"]
     outs = vals if isinstance(vals, (tuple, list)) else [vals]

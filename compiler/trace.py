@@ -170,12 +170,16 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
             return flat_fn(*tensors)
 
     with fxt.preserve_node_meta():
-        first = make_fx(with_sources, tracing_mode="fake", decomposition_table=decomp)(*inputs)
+        # tensors the step closes over become constants of the graph (replicated on every rank)
+        first = make_fx(
+            with_sources, tracing_mode="fake", decomposition_table=decomp, _allow_non_fake_inputs=True
+        )(*inputs)
         replay = torch.fx.Interpreter(first).run
         return make_fx(
             torch.func.functionalize(replay, remove="mutations_and_views"),
             tracing_mode="fake",
             decomposition_table=decomp,
+            _allow_non_fake_inputs=True,
         )(*inputs)
 
 
