@@ -64,8 +64,6 @@ ELEMENTWISE_NONLINEAR = [
     aten.ceil.default,
     aten.round.default,
     aten.trunc.default,
-]
-ELEMENTWISE_NONLINEAR += [
     aten.acos.default,
     aten.acosh.default,
     aten.asin.default,
@@ -137,13 +135,6 @@ ELEMENTWISE_NONLINEAR += [
     aten.logaddexp.default,
     aten.logaddexp2.default,
     aten.heaviside.default,
-    aten.bitwise_and.Tensor,
-    aten.bitwise_or.Tensor,
-    aten.bitwise_xor.Tensor,
-    aten.logical_xor.default,
-    aten.atan2.default,
-    aten.fmod.Scalar,
-    aten.square.default,
     aten.special_log_ndtr.default,
     aten.mvlgamma.default,
     aten.sgn.default,
@@ -155,6 +146,7 @@ ELEMENTWISE_NONLINEAR += [
     aten.hardswish.default,
     aten.mish.default,
 ]
+
 ELEMENTWISE_LINEAR_ONE = [
     aten.neg.default,
     aten.clone.default,

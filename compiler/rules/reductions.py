@@ -37,7 +37,8 @@ def along(
     x = arg(node, 0)
     n = len(shape_of(x))
     dims = _norm(arg(node, dim_arg, node.kwargs.get("dim", default)), n)
-    keep = bool(arg(node, keep_arg, node.kwargs.get("keepdim", False))) if keep_arg is not None else False
+    default_keep = node.kwargs.get("keepdim", False)  # keyword-only in some overloads (var)
+    keep = bool(arg(node, keep_arg, default_keep)) if keep_arg is not None else bool(default_keep)
     names = letters(n)
     ins = [f"{f}!" if k in dims else f for k, f in enumerate(names)]
     if drops:
