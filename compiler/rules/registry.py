@@ -98,6 +98,7 @@ REGISTRY: dict[Any, Builder] = {
     aten._log_softmax_backward_data.default: partial(b.softmax_like, operands=2, linear="first"),
     aten._softmax_backward_data.default: partial(b.softmax_like, operands=2, linear="first"),
     aten.embedding.default: st.embedding,
+    aten.index.Tensor: st.index,
     aten.index_put.default: st.index_put,
     aten.native_layer_norm.default: st.layer_norm,
     aten.split_with_sizes.default: st.split,

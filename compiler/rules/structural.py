@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.fx import Node
 
 from compiler.rules.builders import Built, arg, shape_of
@@ -184,3 +185,17 @@ def pool_backward(node: Node) -> Built:
         "none",
         [grad, x, idx],
     )
+
+
+def index(node: Node) -> Built:
+    """x[idx] with one index tensor on the leading dim (aten.index.Tensor): like an embedding
+    lookup, the indexed dim stays whole and the index's dims pass through to the result."""
+    x, indices = arg(node, 0), arg(node, 1)
+    if not indices or not isinstance(indices[0], Node) or any(i is not None for i in indices[1:]):
+        raise KeyError("index with several or non-leading index tensors")
+    idx = indices[0]
+    if idx.meta["val"].dtype not in (torch.int64, torch.int32):
+        raise KeyError("boolean-mask indexing")
+    rest = letters(len(shape_of(x)) - 1, 100)
+    it = [f"i{k}" for k in range(len(shape_of(idx)))]
+    return line([["v!", *rest], it], [[*it, *rest]]), "first", [x, idx]
