@@ -23,17 +23,37 @@ def sharded(
     out_specs: Any,
     unsupported: str = "error",
     strict: bool = False,
+    check_values: bool = True,
+    timeout: float = 600.0,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
     Use as ``@sharded(mesh=..., in_specs=..., out_specs=...)`` or ``sharded(fn, mesh=..., ...)``.
+    ``in_specs`` is a tuple with one spec tree per positional argument (a ``P`` covers a whole
+    subtree); Python scalars are baked into the program (each new value compiles anew) and take
+    ``P()``. The step is compiled once per argument signature (tree, shapes, dtypes, scalar values).
+
+    What an argument means:
+      - simulated mesh: a plain tensor is the global value; results are global tensors.
+      - real mesh (torchrun): a plain tensor is the *full global value*, identical on every rank
+        (each rank slices its block out of it); a DTensor is used as it is laid out (resharded if
+        its placements differ from the spec). To pass rank-local data (each rank's own slice of the
+        batch, as with DDP), wrap it with ``shardspec.from_local(batch, P("dp"), mesh)``. Results are
+        DTensors. Every call checks that all ranks called with the same signature (a rank that never
+        calls is reported after ``timeout`` seconds); the first call of each program compares a
+        fingerprint of every plain tensor's values across ranks (``check_values=False`` skips it).
+
+    Gradients are taken inside the step (``shardspec.value_and_grad``); the program runs outside
+    autograd, so ``torch.func`` transforms and ``loss.backward()`` through it are refused.
     ``unsupported="replicate"`` runs ops without a sharding rule on gathered inputs (with a warning)
     instead of raising. ``strict=True`` raises where two layouts send the same bytes with
     different collectives and nothing in the specs decides (otherwise ``explain()`` notes it).
+    A sharded step called inside another one (same mesh) is inlined, its specs acting as
+    ``constrain`` on its arguments and results.
     """
 
     def wrap(f: Callable[..., Any]) -> ShardedFunction:
-        return ShardedFunction(f, mesh, in_specs, out_specs, unsupported, strict)
+        return ShardedFunction(f, mesh, in_specs, out_specs, unsupported, strict, check_values, timeout)
 
     return wrap(fn) if fn is not None else wrap
 

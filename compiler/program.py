@@ -3,6 +3,7 @@ argument signature."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -38,13 +39,49 @@ def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = 
     try:
         return list(optree.broadcast_prefix(specs, tree, none_is_leaf=False))
     except ValueError as exc:
-        spec_struct = optree.tree_structure(specs, none_is_leaf=False)
-        arg_struct = optree.tree_structure(tree, none_is_leaf=False)
+        if names and isinstance(specs, tuple) and len(specs) == len(tree):
+            found = next((m for s, v, n in zip(specs, tree, names) if (m := _mismatch(s, v, n))), None)
+        else:
+            found = _mismatch(specs, tree, "result")
+        where, detail = found or ("the top level", _without_values(str(exc)))
         raise fail(
-            f"{what} does not match the structure of the {'arguments' if names else 'results'}"
-            f": specs {spec_struct} vs values {arg_struct} ({exc}).",
+            f"{what} does not match the structure of the {'arguments' if names else 'results'} at "
+            f"{where}: {detail}.",
             f"give {what} the same tree as the values, or a prefix of it (one P covers a whole subtree).",
         ) from None
+
+
+def _describe(x: Any) -> str:
+    return f"tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _mismatch(spec: Any, value: Any, path: str) -> tuple[str, str] | None:
+    """The first place where ``spec`` is not a prefix of ``value``: (path, what differs), no values."""
+    if isinstance(spec, P):
+        return None
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return path, f"the spec is a dict, the value a {_describe(value)}"
+        missing = [k for k in spec if k not in value]
+        extra = [k for k in value if k not in spec]
+        if missing or extra:
+            return path, f"spec keys not in the value: {missing}; value keys without a spec: {extra}"
+        return next((m for k in spec if (m := _mismatch(spec[k], value[k], f"{path}[{k!r}]"))), None)
+    if isinstance(spec, (list, tuple)):
+        if type(spec) is not type(value):
+            return path, f"the spec is a {type(spec).__name__}, the value a {_describe(value)}"
+        if len(spec) != len(value):
+            return path, f"{len(spec)} specs for {len(value)} values"
+        return next(
+            (m for i, (a, b) in enumerate(zip(spec, value)) if (m := _mismatch(a, b, f"{path}[{i}]"))), None
+        )
+    return None
+
+
+def _without_values(text: str) -> str:
+    """optree's message minus the dump of the values (megabytes of numbers for a real model)."""
+    cut = re.search(r"; \w+: [\[{(]", text)
+    return (text[: cut.start()] if cut else text)[:400]
 
 
 def compile_program(
@@ -57,12 +94,18 @@ def compile_program(
     strict: bool = False,
 ) -> Program:
     names = arg_names(fn, len(args))
+    if isinstance(in_specs, list) and len(in_specs) == len(args):
+        in_specs = tuple(in_specs)  # a list of per-argument specs means the same as a tuple
     if not isinstance(in_specs, tuple) or len(in_specs) != len(args):
-        n = len(in_specs) if isinstance(in_specs, tuple) else "a non-tuple"
+        got = (
+            f"has {len(in_specs)} entries"
+            if isinstance(in_specs, (tuple, list))
+            else f"is a {type(in_specs).__name__}"
+        )
         raise fail(
-            f"in_specs has {n} entries but the step was called with {len(args)} arguments "
-            f"({', '.join(names)}).",
-            "pass in_specs as a tuple with one spec tree per positional argument.",
+            f"in_specs {got} but the step was called with {len(args)} arguments ({', '.join(names)}).",
+            "pass in_specs as a tuple with one spec tree per positional argument, e.g. "
+            f"in_specs=({', '.join('P()' for _ in names)},).",
         )
     leaf_specs = broadcast_specs(in_specs, args, "in_specs", names)
     paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)

@@ -3,6 +3,7 @@ DTensors or full tensors and return DTensors. Programs are cached per argument s
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 from collections.abc import Callable
 from typing import Any, cast
@@ -11,23 +12,18 @@ import optree
 import torch
 
 from collectives.simulated import run_simulated
+from compiler import inputs
+from compiler.constrain import constrain
 from compiler.lowered import Lowered
-from compiler.program import Program, compile_program
+from compiler.program import Program, broadcast_specs, compile_program
+from compiler.trace import arg_names
 from shardspec.errors import fail
 from shardspec.layout import device_slices, shard, unshard
 from shardspec.mesh import Mesh
 from shardspec.placements import spec_to_placements
 
-
-def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    leaves, tree = optree.tree_flatten(cast(Any, args), none_is_leaf=False)
-    sig = tuple(
-        (type(x).__name__, tuple(x.shape), x.dtype, str(x.device))
-        if isinstance(x, torch.Tensor)
-        else (type(x).__name__, x)
-        for x in leaves
-    )
-    return (tree, sig)
+# The mesh of the step being traced right now: a sharded step called inside it is inlined.
+_TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardspec_tracing", default=None)
 
 
 class ShardedFunction:
@@ -41,8 +37,11 @@ class ShardedFunction:
         out_specs: Any,
         unsupported: str = "error",
         strict: bool = False,
+        check_values: bool = True,
+        timeout: float = 600.0,
     ) -> None:
         self.strict = strict
+        self.check_values, self.timeout = check_values, timeout
         if not isinstance(mesh, Mesh):
             raise fail(
                 f"sharded(mesh=...) needs a shardspec.Mesh, got {type(mesh).__name__}.",
@@ -56,32 +55,73 @@ class ShardedFunction:
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.unsupported = unsupported
         self._cache: dict[Any, Program] = {}
-        self._checked: set[Any] = set()
+        self._checked: set[int] = set()
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
 
-    def _program(self, args: tuple[Any, ...]) -> Program:
+    def _program(self, args: tuple[Any, ...]) -> tuple[Program, tuple[Any, ...]]:
+        if self.mesh.simulated:
+            inputs.check_not_dtensor(self.fn, args, self.mesh)
         globals_ = tuple(_global_view(a) for a in args)
-        key = _signature(globals_)
+        key = inputs.signature(self.fn, globals_)
         if key not in self._cache:
-            self._cache[key] = compile_program(
-                self.fn, globals_, self.mesh, self.in_specs, self.out_specs, self.unsupported, self.strict
-            )
-        return self._cache[key]
+            token = _TRACING.set(self.mesh)
+            try:
+                self._cache[key] = compile_program(
+                    self.fn, globals_, self.mesh, self.in_specs, self.out_specs, self.unsupported, self.strict
+                )
+            finally:
+                _TRACING.reset(token)
+        return self._cache[key], key
 
     def lower(self, *args: Any) -> Lowered:
-        return Lowered(self._program(args))
+        return Lowered(self._program(args)[0])
 
     def __call__(self, *args: Any) -> Any:
-        program = self._program(args)
+        outer = _TRACING.get()
+        if outer is not None:
+            return self._inline(outer, args)
+        inputs.check_autograd(self.fn, args)
+        program, key = self._program(args)
         leaves: list[Any] = optree.tree_leaves(cast(Any, args), none_is_leaf=False)
         tensors = [leaves[i] for i in program.traced.tensor_positions]
         if self.mesh.simulated:
             outs = _run_simulated(program, tensors)
         else:
-            outs = _run_real(program, tensors, self._checked)
+            inputs.check_same_call(key, self.__name__, self.timeout)
+            if id(program) not in self._checked:
+                _check_same_program(program, self.mesh.rank)
+                if self.check_values:
+                    inputs.check_same_values(tensors, program.traced.in_paths, self.__name__, self.timeout)
+                self._checked.add(id(program))
+            outs = _run_real(program, tensors)
         return optree.tree_unflatten(program.traced.out_tree, outs)
+
+    def _inline(self, outer: Mesh, args: tuple[Any, ...]) -> Any:
+        """A sharded step called while another is traced: its specs become constraints, like nested jit."""
+        if outer != self.mesh:
+            raise fail(
+                f"{self.__name__} (mesh {self.mesh.describe()}) is called inside a sharded step on "
+                f"another mesh, {outer.describe()}; a step runs on one mesh.",
+                f"build {self.__name__} on the outer step's mesh, or call the plain function inside.",
+            )
+        names = arg_names(self.fn, len(args))
+        specs = broadcast_specs(self.in_specs, args, "in_specs", names)
+        leaves, tree = optree.tree_flatten(cast(Any, args), none_is_leaf=False)
+        pinned = [
+            constrain(x, s) if isinstance(x, torch.Tensor) else x for x, s in zip(leaves, specs, strict=True)
+        ]
+        result = self.fn(*optree.tree_unflatten(tree, pinned))
+        out_specs = broadcast_specs(self.out_specs, result, "out_specs")
+        out_leaves, out_tree = optree.tree_flatten(result, none_is_leaf=False)
+        return optree.tree_unflatten(
+            out_tree,
+            [
+                constrain(x, s) if isinstance(x, torch.Tensor) else x
+                for x, s in zip(out_leaves, out_specs, strict=True)
+            ],
+        )
 
 
 def _global_view(arg: Any) -> Any:
@@ -114,7 +154,7 @@ def _run_simulated(program: Program, tensors: list[torch.Tensor]) -> list[torch.
     ]
 
 
-def _run_real(program: Program, tensors: list[Any], checked: set[Any]) -> list[Any]:
+def _run_real(program: Program, tensors: list[Any]) -> list[Any]:
     from torch.distributed.tensor import DTensor
 
     mesh = program.mesh
@@ -122,15 +162,13 @@ def _run_real(program: Program, tensors: list[Any], checked: set[Any]) -> list[A
     local = []
     for t, spec, path in zip(tensors, program.in_specs, program.traced.in_paths, strict=True):
         if isinstance(t, DTensor):
+            inputs.check_dtensor_mesh(t, mesh, path)
             want = list(spec_to_placements(spec, mesh, tuple(t.shape), name=path))
             if list(t.placements) != want:
                 t = t.redistribute(mesh.device_mesh, want)
             local.append(t.to_local())
         else:
             local.append(t[device_slices(tuple(t.shape), mesh, spec, rank)].contiguous())
-    if id(program) not in checked:
-        _check_same_program(program, rank)
-        checked.add(id(program))
     with torch.no_grad():
         outs = list(program.programs[rank](*local))
     results = []

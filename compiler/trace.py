@@ -174,6 +174,8 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
         first = make_fx(
             with_sources, tracing_mode="fake", decomposition_table=decomp, _allow_non_fake_inputs=True
         )(*inputs)
+        _reject_constant_mutation(first)
+        _reject_scalar_extraction(first)
         replay = torch.fx.Interpreter(first).run
         return make_fx(
             torch.func.functionalize(replay, remove="mutations_and_views"),
@@ -181,6 +183,43 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
             decomposition_table=decomp,
             _allow_non_fake_inputs=True,
         )(*inputs)
+
+
+def _reject_constant_mutation(module: torch.fx.GraphModule) -> None:
+    """A tensor the step closes over is a graph constant; writing to it would be lost (or crash)."""
+    for n in module.graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if (
+            n.op == "call_function"
+            and schema is not None
+            and schema.is_mutable
+            and n.args
+            and isinstance(n.args[0], torch.fx.Node)
+            and n.args[0].op == "get_attr"
+        ):
+            raise fail(
+                f"{n.target} at {source_of(n) or n.name} modifies in place a tensor the step closes over "
+                f"(shape {tuple(n.args[0].meta['val'].shape)}). A sharded step is compiled once and must "
+                "be functional: the write would not reach the outside tensor.",
+                "pass that tensor in as an argument and return its new value, e.g. "
+                "`buf = buf + x` ... `return ..., buf`.",
+            )
+
+
+def _reject_scalar_extraction(module: torch.fx.GraphModule) -> None:
+    """``.item()`` / ``float(t)`` turn a tensor value into a Python number the plan cannot shard."""
+    for n in module.graph.nodes:
+        val = n.meta.get("val")
+        if n.target is aten._local_scalar_dense.default or isinstance(
+            val, (torch.SymInt, torch.SymFloat, torch.SymBool)
+        ):
+            raise fail(
+                f"the step reads a tensor's value as a Python number (.item(), float(t), int(t) or "
+                f".tolist()) at {source_of(n) or n.name}; a sharded step is traced once on shapes "
+                "only, so the number is not known when it is compiled.",
+                "keep it a tensor (use the 0-dim tensor directly in arithmetic: `x * t.sum()` instead "
+                "of `x * t.sum().item()`), or compute it outside the step and pass it in as an argument.",
+            )
 
 
 def _reject_value_dependent_shapes(module: torch.fx.GraphModule) -> None:

@@ -19,6 +19,7 @@ from shardspec.layout import (
     shard,
     unshard,
 )
+from shardspec.local import from_local
 from shardspec.mesh import Mesh
 from shardspec.placements import placements_to_spec, spec_to_placements
 from shardspec.spec import P
@@ -49,6 +50,7 @@ __all__ = [
     "chunk_sizes",
     "constrain",
     "device_slices",
+    "from_local",
     "is_even",
     "local_shape",
     "optim",

@@ -187,5 +187,11 @@ def uneven_rejected_and_rank_dependent_program(rank: int, world: int) -> dict[st
     try:
         g(torch.ones(8 if rank == 0 else 4, 3))  # a rank-dependent global shape
     except ShardingError as e:
+        out["signature"] = str(e)
+    # same arguments everywhere, but a rank-dependent spec: the programs' collectives differ
+    h = sharded(lambda x: x.sum(0), mesh=mesh, in_specs=(P("dp"),), out_specs=P() if rank == 0 else P("tp"))
+    try:
+        h(torch.ones(8, 4))
+    except ShardingError as e:
         out["hash"] = str(e)
     return out

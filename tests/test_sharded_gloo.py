@@ -43,4 +43,5 @@ def test_real_mode_rejects_inexpressible_uneven_layouts_and_rank_dependent_progr
     results = run_distributed(fns.uneven_rejected_and_rank_dependent_program, 4, timeout=60)
     for r in results:
         assert "x: spec P(('dp', 'tp')) splits dim 0 of size 6 unevenly over ('dp', 'tp')" in r["uneven"]
+        assert "different arguments" in r["signature"] and "[[0], [1, 2, 3]]" in r["signature"]
         assert "ranks compiled different programs" in r["hash"] and "[[0], [1, 2, 3]]" in r["hash"]

@@ -1,0 +1,206 @@
+"""The argument contract of a sharded step, checked before anything runs.
+
+Every call: arguments are keyed for the compile cache (Python floats by their bits, so ``-0.0`` and
+``0.0`` differ and ``nan`` hits the cache), leaves that are neither tensors nor Python scalars are
+named, and tensors tied to autograd or to ``torch.func`` transforms are refused (the program runs
+outside autograd, so gradients taken outside the step would be silently zero).
+
+Real meshes add cross-rank agreement, because a disagreement there is a hang or a silent wrong answer:
+each call all-reduces a digest of the call signature (tree, shapes, dtypes, Python scalar values), so
+a rank whose arguments changed alone, or whose ``lr`` differs, gets an error, and a rank that never
+calls the step is reported after ``timeout`` seconds instead of hanging. On a program's first call the
+values of plain-tensor arguments (which mean the full global value on every rank) are fingerprinted
+and compared, which catches each rank passing its own slice of the batch (the DDP habit) and
+differently initialised replicated parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import struct
+from typing import Any, cast
+
+import optree
+import torch
+
+from compiler.trace import arg_names, path_str
+from shardspec.errors import fail
+from shardspec.mesh import Mesh
+
+_STATIC = (int, float, bool, str, type(None))
+
+
+def _scalar_key(x: Any) -> Any:
+    if isinstance(x, float):  # -0.0 == 0.0 and nan != nan: key floats by their bits
+        return ("float", struct.pack("<d", x))
+    return (type(x).__name__, x)
+
+
+def signature(fn: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The compile-cache key of a call; names the first leaf that cannot be part of a step."""
+    paths, leaves, tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    sig = []
+    for path, x in zip(paths, leaves, strict=True):
+        if isinstance(x, torch.Tensor):
+            sig.append((type(x).__name__, tuple(x.shape), x.dtype, str(x.device)))
+        elif isinstance(x, _STATIC):
+            sig.append(_scalar_key(x))
+        else:
+            where = path_str(arg_names(fn, len(args))[path[0]], path[1:])
+            raise fail(
+                f"{where}: a leaf of type {type(x).__name__} is neither a tensor nor a Python scalar "
+                "(int, float, bool, str, None), so it cannot be an argument of a sharded step.",
+                "convert it with torch.as_tensor(...), register its class as a pytree node "
+                "(optree.register_pytree_node), or close over it instead of passing it.",
+            )
+    return (tree, tuple(sig))
+
+
+def check_autograd(fn: Any, args: tuple[Any, ...]) -> None:
+    """Refuse calls whose gradients would be silently dropped."""
+    paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    for path, x in zip(paths, leaves, strict=True):
+        if not isinstance(x, torch.Tensor):
+            continue
+        where = path_str(arg_names(fn, len(args))[path[0]], path[1:])
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            raise fail(
+                f"{where} reaches the sharded step inside a torch.func transform (grad, vjp, vmap, "
+                "jacrev, ...). The compiled program runs outside those transforms, so they cannot "
+                "see through it (gradients would be silently zero).",
+                "take gradients inside the step with shardspec.value_and_grad(loss_fn)(params, ...), "
+                "and return them.",
+            )
+        if x.requires_grad and torch.is_grad_enabled():
+            raise fail(
+                f"{where} requires grad (shape {tuple(x.shape)}), but a sharded step's results are not "
+                "connected to autograd: gradients taken outside the step (loss.backward()) would be "
+                "missing.",
+                "take gradients inside the step with shardspec.value_and_grad and return them; pass "
+                "parameters as plain tensors (p.detach()) or call the step under torch.no_grad().",
+            )
+
+
+def check_not_dtensor(fn: Any, args: tuple[Any, ...], mesh: Mesh) -> None:
+    """A simulated mesh takes global tensors; a DTensor there belongs to another (real) mesh."""
+    from torch.distributed.tensor import DTensor
+
+    paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    for path, x in zip(paths, leaves, strict=True):
+        if isinstance(x, DTensor):
+            where = path_str(arg_names(fn, len(args))[path[0]], path[1:])
+            raise fail(
+                f"{where} is a DTensor (global shape {tuple(x.shape)}, placements "
+                f"{tuple(x.placements)}), but the step's mesh {mesh.describe()} is simulated: it takes "
+                "and returns ordinary global tensors.",
+                f"pass {where}.full_tensor(), or use a real Mesh (simulate=False) under torchrun.",
+            )
+
+
+def check_dtensor_mesh(x: Any, mesh: Mesh, path: str) -> None:
+    """A DTensor must live on the step's own device grid, not just one with the same axis names."""
+    theirs = x.device_mesh
+    ours = mesh.device_mesh
+    if theirs is ours:
+        return
+    same = (
+        tuple(theirs.mesh_dim_names or ()) == tuple(ours.mesh_dim_names or ())
+        and theirs.mesh.tolist() == ours.mesh.tolist()
+        and theirs.device_type == ours.device_type
+    )
+    if not same:
+        raise fail(
+            f"{path} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
+            f"{theirs.mesh_dim_names}, but the step's mesh {mesh.describe()} lays ranks out as "
+            f"{ours.mesh.tolist()}: its blocks would be read as other ranks' blocks.",
+            f"build it on the step's mesh (mesh.device_mesh), or pass {path}.full_tensor().",
+        )
+
+
+def _digest(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise fail(
+            f"{what} did not complete within {timeout:g} s ({exc}). Some rank did not call the step, "
+            "is still busy with earlier work, or has died.",
+            "make every rank of the mesh call the step the same number of times, with the same "
+            "arguments' shapes (raise sharded(..., timeout=...) for slow ranks).",
+        ) from None
+
+
+def _disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
+    """Every rank's ``values`` (an int64 vector), or None when every rank holds the same."""
+    import torch.distributed as dist
+
+    both = torch.cat([values, -values])
+    _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout, what)
+    n = values.numel()
+    if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
+        return None
+    everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+    _wait(dist.all_gather(everyone, values, async_op=True), timeout, what)
+    return everyone
+
+
+def _groups(everyone: list[torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, v in enumerate(everyone):
+        groups.setdefault(tuple(v.tolist()), []).append(r)
+    return list(groups.values())
+
+
+def check_same_call(key: tuple[Any, ...], name: str, timeout: float) -> None:
+    """Every rank must call with the same signature, else the collectives would not match."""
+    mine = torch.tensor([_digest(repr(key))], dtype=torch.int64)
+    everyone = _disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
+    if everyone:
+        raise fail(
+            f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes or "
+            f"Python scalar values differ): rank groups {_groups(everyone)}. Running would hang or "
+            "compute wrong results.",
+            "pass the same shapes and the same Python values (e.g. lr) on every rank; rank-local "
+            "data goes in through shardspec.from_local.",
+        )
+
+
+def _fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """Two exact integer sums over the tensor's bytes (order-independent, so identical everywhere)."""
+    data = t.detach().contiguous().reshape(-1)
+    words = data.view(torch.uint8) if data.numel() * data.element_size() % 4 else data.view(torch.int32)
+    w = words.to(torch.int64)
+    weights = torch.arange(w.numel(), dtype=torch.int64) % 251 + 1
+    return int(w.sum()), int((w * weights).sum())
+
+
+def check_same_values(tensors: list[Any], paths: tuple[str, ...], name: str, timeout: float) -> None:
+    """Plain tensors mean the full global value on every rank: compare fingerprints across ranks."""
+    from torch.distributed.tensor import DTensor
+
+    plain = [(p, t) for p, t in zip(paths, tensors, strict=True) if not isinstance(t, DTensor)]
+    if not plain:
+        return
+    values = torch.tensor([v for _, t in plain for v in _fingerprint(t)], dtype=torch.int64)
+    everyone = _disagreeing(values, timeout, f"the argument-value check of {name}(...)")
+    if not everyone:
+        return
+    differ = [
+        p
+        for i, (p, _) in enumerate(plain)
+        if len({tuple(v[2 * i : 2 * i + 2].tolist()) for v in everyone}) > 1
+    ]
+    raise fail(
+        f"plain-tensor arguments of {name}(...) hold different values on different ranks: "
+        f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} (rank groups {_groups(everyone)}). "
+        "On a real mesh a plain tensor means the full global value, the same on every rank; each rank "
+        "passing its own slice of the batch (the DDP habit) or initialising replicated parameters with its "
+        "own seed would train on wrong data.",
+        "pass identical full tensors on every rank (seed the initialisation the same), or build "
+        "DTensors from each rank's own block with shardspec.from_local(tree, specs, mesh). "
+        "sharded(..., check_values=False) skips this check.",
+    )

@@ -1,0 +1,59 @@
+"""Rank functions for the real-mode input-contract tests (module level: worker processes import them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def _message(fn: Any) -> str:
+    from shardspec import ShardingError
+
+    try:
+        fn()
+    except ShardingError as exc:
+        return str(exc)
+    return "no error"
+
+
+def contract_checks(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from shardspec import Mesh, P, from_local, sharded
+
+    mesh = Mesh({"dp": world})
+    full_x = torch.arange(16.0).reshape(4, 4)
+    w = torch.linspace(-1, 1, 4)
+
+    def loss(w: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x @ w).sum() * scale
+
+    step = sharded(loss, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=P())
+    out: dict[str, Any] = {}
+    mine = full_x.chunk(world)[rank]
+    # the DDP habit: each rank passes its own slice as a plain tensor
+    out["ddp_habit"] = _message(lambda: step(w, mine, 1.0))
+    # the same data, declared rank-local
+    out["from_local"] = step(w, from_local(mine, P("dp"), mesh), 1.0).full_tensor()
+    out["reference"] = loss(w, full_x, 1.0)
+    # replicated parameters initialised differently on each rank
+    out["seeds"] = _message(lambda: step(w + rank, full_x, 2.0))
+    # a rank-dependent Python scalar
+    out["scalar"] = _message(lambda: step(w, full_x, 1.0 + rank))
+    # a DTensor on a device grid with the same dim names but other ranks
+    other = DeviceMesh("cpu", list(reversed(range(world))), mesh_dim_names=("dp",))
+    dx = distribute_tensor(full_x, other, [Replicate()])
+    out["grid"] = _message(lambda: step(w, dx, 1.0))
+    # one rank alone changes a shape on a later call
+    x = full_x if rank == 0 else torch.cat([full_x, full_x])
+    out["shape"] = _message(lambda: step(w, x, 1.0))
+    # rank 1 never calls: rank 0 gets an error after the timeout, not a hang
+    lonely = sharded(loss, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=P(), timeout=2.0)
+    if rank == 0:
+        out["absent"] = _message(lambda: lonely(w, full_x, 1.0))
+    else:
+        time.sleep(4.0)
+    return out

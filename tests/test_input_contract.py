@@ -1,0 +1,149 @@
+"""The argument contract of a sharded step: cache keys, refused autograd use, nested steps, and on
+real (gloo) meshes the cross-rank checks that turn silent wrong answers and hangs into errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import shardspec
+from shardspec import Mesh, P, ShardingError, sharded
+from shardspec.testing import run_distributed
+from tests import _contract_fns as fns
+
+MESH = Mesh({"dp": 2}, simulate=True)
+
+
+def _scale(x: torch.Tensor, s: float) -> torch.Tensor:
+    return x * s
+
+
+def test_negative_zero_is_not_served_the_program_compiled_for_zero():
+    step = sharded(_scale, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    x = torch.ones(4)
+    assert not torch.signbit(step(x, 0.0)).any()
+    assert torch.signbit(step(x, -0.0)).all()
+
+
+def test_nan_scalar_hits_the_compile_cache():
+    step = sharded(_scale, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    for _ in range(3):
+        assert step(torch.ones(4), math.nan).isnan().all()
+    assert len(step._cache) == 1
+
+
+def test_unhashable_leaf_is_named():
+    np = pytest.importorskip("numpy")
+    step = sharded(_scale, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    with pytest.raises(ShardingError, match=r"s: a leaf of type ndarray is neither a tensor"):
+        step(torch.ones(4), np.array([1.0]))
+
+
+def test_torch_func_grad_through_a_step_is_an_error_not_zero():
+    step = sharded(lambda x: (x * x).sum(), mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    with pytest.raises(ShardingError, match=r"(?s)torch.func transform.*value_and_grad"):
+        torch.func.grad(step)(torch.ones(4))
+
+
+def test_autograd_inputs_are_refused_not_silently_dropped():
+    step = sharded(lambda x: (x * x).sum(), mesh=MESH, in_specs=(P("dp"),), out_specs=P())
+    x = torch.ones(4, requires_grad=True)
+    with pytest.raises(ShardingError, match=r"(?s)x requires grad \(shape \(4,\)\).*value_and_grad"):
+        step(x)
+    with torch.no_grad():
+        assert step(x).item() == 4.0
+
+
+def test_item_in_the_step_is_a_clear_error_also_with_the_replicate_fallback():
+    def f(x):
+        return x * x.sum().item()
+
+    for unsupported in ("error", "replicate"):
+        step = sharded(f, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"), unsupported=unsupported)
+        with pytest.raises(
+            ShardingError, match=r"(?s)\.item\(\).*test_input_contract.py:\d+.*keep it a tensor"
+        ):
+            step(torch.ones(4))
+
+
+def test_in_place_update_of_a_closed_over_tensor_is_a_clear_error():
+    buf = torch.zeros(4)
+
+    def f(x):
+        buf.add_(x)
+        return x * 2
+
+    step = sharded(f, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(
+        ShardingError, match=r"modifies in place a tensor the step closes over \(shape \(4,\)\)"
+    ):
+        step(torch.ones(4))
+
+
+def test_nested_step_is_inlined_with_its_specs_as_constraints():
+    inner = sharded(lambda y: y * 2, mesh=MESH, in_specs=(P(None, "dp"),), out_specs=P(None, "dp"))
+    outer = sharded(lambda x: inner(x) + 1, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(outer(x), x * 2 + 1)
+    kinds = [c.kind for c in outer.lower(x).collectives()]
+    assert "all_to_all" in kinds  # the inner step's spec really pins the layout
+    other = sharded(lambda y: y, mesh=Mesh({"tp": 2}, simulate=True), in_specs=(P(),), out_specs=P())
+    bad = sharded(lambda x: other(x), mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(ShardingError, match="inside a sharded step on another mesh"):
+        bad(x)
+
+
+def test_dtensor_on_a_simulated_mesh_is_a_clear_error():
+    results = run_distributed(_dtensor_on_simulated, 1, timeout=60)
+    assert "is a DTensor" in results[0] and "full_tensor()" in results[0]
+
+
+def _dtensor_on_simulated(rank: int, world: int) -> str:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    x = distribute_tensor(torch.ones(4), Mesh({"dp": 1}).device_mesh, [Replicate()])
+    step = sharded(lambda x: x * 2, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    try:
+        step(x)
+    except ShardingError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_spec_tree_mismatch_names_the_path_not_the_values():
+    step = sharded(lambda p: p["w1"], mesh=MESH, in_specs=({"W1": P()},), out_specs=P())
+    with pytest.raises(ShardingError) as info:
+        step({"w1": torch.randn(50, 50)})
+    text = str(info.value)
+    assert "at p: spec keys not in the value: ['W1']; value keys without a spec: ['w1']" in text
+    assert "tensor(" not in text and len(text) < 400
+
+
+def test_in_specs_as_a_list_works_and_a_wrong_count_says_so():
+    step = sharded(_scale, mesh=MESH, in_specs=[P("dp"), P()], out_specs=P("dp"))
+    torch.testing.assert_close(step(torch.ones(4), 3.0), torch.full((4,), 3.0))
+    bad = sharded(_scale, mesh=MESH, in_specs=P("dp"), out_specs=P("dp"))
+    with pytest.raises(ShardingError, match=r"in_specs is a P but the step was called with 2 arguments"):
+        bad(torch.ones(4), 3.0)
+
+
+def test_from_local_refuses_simulated_meshes():
+    with pytest.raises(ShardingError, match="from_local needs a real mesh"):
+        shardspec.from_local(torch.ones(2), P("dp"), MESH)
+
+
+@pytest.mark.multiprocess
+def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
+    results = run_distributed(fns.contract_checks, 2, timeout=120)
+    for rank, r in enumerate(results):
+        assert "hold different values on different ranks: x" in r["ddp_habit"], r["ddp_habit"]
+        assert "from_local" in r["ddp_habit"]
+        torch.testing.assert_close(r["from_local"], r["reference"])
+        assert "w (rank groups [[0], [1]])" in r["seeds"], r["seeds"]
+        assert "different arguments" in r["scalar"] and "[[0], [1]]" in r["scalar"]
+        assert "DeviceMesh [1, 0]" in r["grid"] and "[0, 1]" in r["grid"], r["grid"]
+        assert "different arguments" in r["shape"], r["shape"]
+        if rank == 0:
+            assert "did not complete within 2 s" in r["absent"] and "did not call the step" in r["absent"]
