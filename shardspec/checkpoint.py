@@ -1,0 +1,411 @@
+"""Checkpoints of pytrees of (D)Tensors on top of ``torch.distributed.checkpoint`` (DCP).
+
+DCP writes every rank's shards and reshards on load; this module adds what a training loop needs
+around it: atomic publication (a crash mid-save never costs the previous checkpoint), a step number,
+RNG state, a record of the tree so a mismatched ``like`` fails with the paths that differ, and layouts
+named by ``P`` on a ``Mesh`` instead of DTensor placements.
+
+Layout of a checkpoint root ``DIR``::
+
+    DIR/step-00000040/   a complete checkpoint: DCP files, shardspec.json, rng-<rank>.pt
+    DIR/latest           the name of the newest published checkpoint (replaced atomically)
+    DIR/.tmp-step-N/     a save in progress, or one that crashed (never loaded)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from shardspec.errors import fail
+from shardspec.layout import local_shape
+from shardspec.mesh import Mesh
+from shardspec.placements import spec_to_placements
+from shardspec.spec import P
+
+META = "shardspec.json"
+LATEST = "latest"
+FORMAT = "shardspec-checkpoint/1"
+_PREFIX, _TMP = "step-", ".tmp-step-"
+_SCALARS = (bool, int, float, str)
+
+__all__ = ["Restored", "find", "load", "save"]
+
+
+class Restored(NamedTuple):
+    """What ``load`` returns: unpack as ``tree, step = load(...)`` or use the fields."""
+
+    tree: Any
+    step: int
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return "tree" + "".join(f"[{k!r}]" for k in path)
+
+
+def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
+    paths, leaves, spec = optree.tree_flatten_with_path(cast(Any, tree), none_is_leaf=False)
+    return [_path_str(p) for p in paths], list(leaves), spec
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a whole file or nothing: a reader sees the old content or the new, never a torn one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process call; here that mode is intended, not a misconfiguration."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank, so ranks take the same branch (or raise the same error)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(leaf, DTensor):
+        if any(p.is_partial() for p in leaf.placements):
+            raise fail(
+                f"checkpoint.save: {path} is a DTensor with a pending reduction "
+                f"(placements {tuple(leaf.placements)}); its value is not settled yet.",
+                f"redistribute {path} to Shard/Replicate placements before saving.",
+            )
+        layout = str(tuple(leaf.placements))
+    elif isinstance(leaf, torch.Tensor):
+        layout = "global"
+    elif isinstance(leaf, _SCALARS):
+        return {"path": path, "kind": "scalar", "value": leaf}
+    else:
+        raise fail(
+            f"checkpoint.save: {path} is a {type(leaf).__name__}; a checkpoint holds tensors, "
+            "DTensors and Python bool/int/float/str leaves.",
+            f"convert {path} to a tensor or a Python scalar, or keep it out of the saved tree.",
+        )
+    return {
+        "path": path,
+        "kind": "tensor",
+        "shape": list(leaf.shape),
+        "dtype": _dtype_name(leaf.dtype),
+        "layout": layout,
+    }
+
+
+def save(path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None = 2) -> Path:
+    """Save ``tree`` as checkpoint ``step`` under the root directory ``path``; return its directory.
+
+    Every rank calls this in real mode (DCP writes each rank's shards once, replicated ones once in
+    all). The data goes to ``.tmp-step-N`` first; only when DCP, the RNG states and the tree record
+    are all on disk does rank 0 rename it to ``step-N`` and point ``latest`` at it, so a crash at any
+    moment leaves the previous checkpoint as the newest complete one. ``keep`` published checkpoints
+    stay (the new one included; ``None`` keeps all).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise fail(
+            f"checkpoint.save(step={step!r}): step must be a non-negative int.",
+            "pass the number of training steps done, e.g. step=100.",
+        )
+    if keep is not None and keep < 1:
+        raise fail(
+            f"checkpoint.save(keep={keep!r}): at least the new checkpoint must be kept.",
+            "pass keep >= 1, or keep=None to keep every checkpoint.",
+        )
+    root = Path(path)
+    paths, leaves, _ = _flatten(tree)
+    records = [_describe_leaf(p, x) for p, x in zip(paths, leaves)]
+    rank = _rank()
+    name = f"{_PREFIX}{step:08d}"
+    tmp = root / f"{_TMP}{step:08d}"
+
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(_TMP + "*"):
+                shutil.rmtree(stale)  # left by a crashed save; never loadable
+            tmp.mkdir()
+        except OSError as exc:
+            error = f"cannot prepare {tmp}: {exc}"
+    error = _agree(error)
+    if error is not None:
+        raise fail(f"checkpoint.save: {error}.", f"make {root} a writable directory.")
+
+    torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
+    state = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
+    with _single_process_quiet():
+        dcp_save(state, checkpoint_id=tmp, no_dist=not _distributed())
+
+    if rank == 0:
+        try:
+            meta = {
+                "format": FORMAT,
+                "step": step,
+                "world_size": dist.get_world_size() if _distributed() else 1,
+                "leaves": records,
+                "complete": True,
+            }
+            _write_atomic(tmp / META, json.dumps(meta, indent=1))
+            _publish(root, tmp, name, keep)
+        except OSError as exc:
+            error = f"cannot publish {tmp} as {root / name}: {exc}"
+    error = _agree(error)  # no rank returns before the checkpoint is published
+    if error is not None:
+        raise fail(f"checkpoint.save: {error}.", f"check free space and permissions under {root}.")
+    return root / name
+
+
+def _publish(root: Path, tmp: Path, name: str, keep: int | None) -> None:
+    final = root / name
+    if final.exists():  # saving the same step again: the new data wins
+        trash = root / f".old-{name}-{os.getpid()}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST, name + "\n")
+    if keep is not None:
+        others = sorted((d for d in _complete_dirs(root) if d != final), key=_step_of, reverse=True)
+        for old in others[keep - 1 :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(ckpt: Path) -> None:
+    """Each rank takes the state its rank saved; ranks beyond the saved world take rank 0's."""
+    own = ckpt / f"rng-{_rank()}.pt"
+    state = torch.load(own if own.exists() else ckpt / "rng-0.pt", weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _step_of(d: Path) -> int:
+    return int(d.name.removeprefix(_PREFIX))
+
+
+def _missing(d: Path) -> list[str]:
+    """What a complete checkpoint has that ``d`` lacks (empty when complete)."""
+    missing = [f for f in (".metadata", META) if not (d / f).is_file()]
+    if not missing:
+        try:
+            if json.loads((d / META).read_text()).get("complete") is not True:
+                missing.append("the completion mark in " + META)
+        except (OSError, ValueError):
+            missing.append("a readable " + META)
+    return missing
+
+
+def _complete_dirs(root: Path) -> list[Path]:
+    return [
+        d
+        for d in root.glob(_PREFIX + "*")
+        if d.is_dir() and d.name.removeprefix(_PREFIX).isdigit() and not _missing(d)
+    ]
+
+
+def _resolve(path: Path) -> tuple[Path | None, str | None, str]:
+    """(checkpoint dir, None, "") or (None, what is wrong, kind) with kind "missing"/"incomplete"."""
+    if not path.is_dir():
+        return None, f"no checkpoint at {path}: the directory does not exist", "missing"
+    if (path / META).exists() or (path / ".metadata").exists() or path.name.startswith(_TMP):
+        missing = _missing(path)
+        if not missing:
+            return path, None, ""
+        return None, f"checkpoint {path} is incomplete: it lacks {', '.join(missing)}", "incomplete"
+    pointer = path / LATEST
+    if pointer.is_file():
+        named = path / pointer.read_text().strip()
+        if named.is_dir() and not _missing(named):
+            return named, None, ""
+    complete = _complete_dirs(path)
+    if complete:
+        return max(complete, key=_step_of), None, ""
+    partial = sorted(d.name for d in path.iterdir() if d.name.startswith((_TMP, _PREFIX)))
+    if partial:
+        return None, f"{path} holds only incomplete checkpoints ({', '.join(partial)})", "incomplete"
+    return None, f"no checkpoint at {path}: no {_PREFIX}N directory and no {LATEST} file", "missing"
+
+
+def find(path: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``path`` (or ``path`` itself), or None: for resuming."""
+    found, _, _ = _resolve(Path(path))
+    return found
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    like: Any,
+    mesh: Mesh | None = None,
+    specs: Any = None,
+    restore_rng: bool = False,
+) -> Restored:
+    """Load a checkpoint into the structure of ``like``; return ``Restored(tree, step)``.
+
+    ``path`` is a checkpoint directory or a root (its newest complete checkpoint is taken).
+    ``like`` supplies structure, shapes and dtypes only (tensors, DTensors or meta/empty stand-ins).
+    On a real ``mesh`` every rank calls this and gets DTensors laid out by ``specs`` (a tree of ``P``
+    matching ``like``, prefixes allowed; default replicated), whatever mesh or world size wrote the
+    checkpoint: DCP reads each rank's block from the saved shards. With a simulated mesh or none,
+    the result is global tensors. Python scalar leaves come back as saved.
+    """
+    ckpt, error, kind = _agree(_resolve(Path(path)))
+    if ckpt is None:
+        fix = (
+            "save a checkpoint there first, or pass the directory given to checkpoint.save"
+            if kind == "missing"
+            else "its save was interrupted; load the root directory to get the newest complete "
+            "checkpoint, or save again"
+        )
+        raise fail(f"checkpoint.load: {error}.", fix + ".")
+    meta = json.loads((ckpt / META).read_text())
+    paths, leaves, treespec = _flatten(like)
+    saved = {r["path"]: r for r in meta["leaves"]}
+    _check_structure(f"{ckpt} (step {meta['step']})", paths, leaves, saved)
+    real = mesh is not None and not mesh.simulated
+    leaf_specs = _leaf_specs(specs, like, paths) if real else [P()] * len(paths)
+
+    from torch.distributed.tensor import DTensor
+
+    state: dict[str, Any] = {}
+    for p, spec in zip(paths, leaf_specs):
+        rec = saved[p]
+        if rec["kind"] != "tensor":
+            continue
+        shape, dtype = tuple(rec["shape"]), getattr(torch, rec["dtype"])
+        if real:
+            assert mesh is not None
+            placements = spec_to_placements(spec, mesh, shape, name=p)
+            device = mesh.device_mesh.device_type
+            block = torch.empty(local_shape(shape, mesh, spec, mesh.rank), dtype=dtype, device=device)
+            state[p] = DTensor.from_local(
+                block,
+                mesh.device_mesh,
+                list(placements),
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride(),
+            )
+        else:
+            state[p] = torch.empty(shape, dtype=dtype)
+    with _single_process_quiet():
+        dcp_load(state, checkpoint_id=ckpt, no_dist=not _distributed())
+    if restore_rng:
+        _restore_rng(ckpt)
+    values = [state[p] if saved[p]["kind"] == "tensor" else saved[p]["value"] for p in paths]
+    return Restored(optree.tree_unflatten(treespec, values), int(meta["step"]))
+
+
+def _leaf_specs(specs: Any, like: Any, paths: list[str]) -> list[Any]:
+    if specs is None:
+        return [P()] * len(paths)
+    try:
+        return list(optree.broadcast_prefix(specs, like, none_is_leaf=False))
+    except ValueError as exc:
+        raise fail(
+            f"checkpoint.load: specs do not match the structure of like: specs "
+            f"{optree.tree_structure(specs, none_is_leaf=False)} vs like "
+            f"{optree.tree_structure(like, none_is_leaf=False)} ({exc}).",
+            "give specs the same tree as like, or a prefix of it (one P covers a whole subtree).",
+        ) from None
+
+
+def _check_structure(ckpt: str, paths: list[str], leaves: list[Any], saved: dict[str, Any]) -> None:
+    missing = [p for p in paths if p not in saved]
+    extra = [p for p in saved if p not in set(paths)]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"in like but not in the checkpoint: {', '.join(missing)}")
+        if extra:
+            parts.append(f"in the checkpoint but not in like: {', '.join(extra)}")
+        raise fail(
+            f"checkpoint.load: {ckpt} and like have different trees; {'; '.join(parts)}.",
+            "pass a like tree with the saved structure (same keys and nesting), or load a "
+            "checkpoint written from this tree.",
+        )
+    for p, leaf in zip(paths, leaves):
+        rec = saved[p]
+        is_tensor = isinstance(leaf, torch.Tensor)
+        if (rec["kind"] == "tensor") != is_tensor:
+            have = f"a tensor of shape {tuple(rec['shape'])}" if rec["kind"] == "tensor" else "a scalar"
+            raise fail(
+                f"checkpoint.load: {p} is {have} in {ckpt}, but like has a {type(leaf).__name__}.",
+                f"make {p} in like a {'tensor' if rec['kind'] == 'tensor' else 'Python scalar'}.",
+            )
+        if not is_tensor:
+            continue
+        shape, dtype = tuple(rec["shape"]), rec["dtype"]
+        if tuple(leaf.shape) != shape:
+            raise fail(
+                f"checkpoint.load: {p} has shape {shape} ({dtype}) in {ckpt}, but like expects "
+                f"{tuple(leaf.shape)} ({_dtype_name(leaf.dtype)}).",
+                f"build like with the saved model sizes (shape {shape} for {p}), or load a "
+                "checkpoint of this model.",
+            )
+        if _dtype_name(leaf.dtype) != dtype:
+            raise fail(
+                f"checkpoint.load: {p} is {dtype} in {ckpt}, but like expects "
+                f"{_dtype_name(leaf.dtype)} (shape {shape}).",
+                f"give like a {dtype} stand-in for {p} and cast after loading.",
+            )

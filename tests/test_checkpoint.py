@@ -1,0 +1,211 @@
+"""shardspec.checkpoint: resharding across meshes and world sizes, atomic saves, fix-it errors.
+
+Each resharding case trains the example MLP with @sharded on mesh A, saves, loads on mesh B with B's
+specs, trains on, and compares with one uninterrupted unsharded run: the loaded values equal the
+saved ones exactly (DCP copies bytes); the continued parameters agree to fp32 rounding, since a
+different mesh sums gradients in a different order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from shardspec import Mesh, ShardingError, checkpoint
+from shardspec.testing import run_distributed
+from tests import _ckpt_fns as fns
+
+A_STEPS, B_STEPS = 3, 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm(tmp_path_factory):
+    """Compile once here so forked ranks inherit torch's lazily imported tracing machinery."""
+    fns.train_phase(0, 1, "sim_zero3", str(tmp_path_factory.mktemp("warm")), 0, 1, False)
+
+
+def _phase(layout, world, ckpt, start, stop, save):
+    if layout.startswith("sim_"):
+        return [fns.train_phase(0, 1, layout, ckpt, start, stop, save)]
+    return run_distributed(fns.train_phase, world, args=(layout, ckpt, start, stop, save), timeout=120)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("a", "a_world", "b", "local_w1"),
+    [
+        ("dp4", 4, "dp2xtp2", (8, 8)),  # replicated -> columns split over tp
+        ("zero3", 4, "dp4", (8, 16)),  # ZeRO-3 (split over dp) -> DP (replicated)
+        ("tp2", 2, "tp4", (8, 4)),  # world 2 -> world 4
+        ("sim_zero3", 1, "dp2xtp2", (8, 8)),  # one process (global tensors) -> 4 processes
+    ],
+)
+def test_reshard_and_continue_matches_uninterrupted_run(tmp_path, a, a_world, b, local_w1):
+    ckpt = str(tmp_path)
+    saved = _phase(a, a_world, ckpt, 0, A_STEPS, True)
+    resumed = _phase(b, 4, ckpt, A_STEPS, B_STEPS, False)
+    want = fns.reference(B_STEPS)
+    for rank, r in enumerate(resumed):
+        assert r["local_w1"] == local_w1  # laid out by B's specs
+        for k in want:
+            assert torch.equal(r["loaded"][k], saved[0]["params"][k]), k
+            torch.testing.assert_close(r["params"][k], want[k], rtol=1e-5, atol=1e-6)
+        if rank < len(saved):  # the same rank's RNG stream continues where the save left it
+            assert torch.equal(r["rng_after_load"], saved[rank]["rng_after_save"])
+        else:  # ranks that did not exist at save time take rank 0's state
+            assert torch.equal(r["rng_after_load"], saved[0]["rng_after_save"])
+    # the same checkpoint in simulated mode (meta stand-ins for like): global tensors, exact
+    like = optree.tree_map(
+        lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, fns.fresh()
+    )
+    tree, step = checkpoint.load(ckpt, like=like, mesh=Mesh({"dp": 4}, simulate=True))
+    assert step == A_STEPS and tree["model"] == "mlp"
+    for k in want:
+        assert torch.equal(tree["params"][k], saved[0]["params"][k])
+
+
+def _tree(fill: float = 123.456) -> dict[str, object]:
+    return {
+        "params": {"w": torch.full((4, 3), fill), "b": torch.full((3,), fill)},
+        "buffers": [torch.arange(5)],
+        "epoch": 2,
+    }
+
+
+def _assert_same(got, want):
+    g, w = optree.tree_leaves(got), optree.tree_leaves(want)
+    assert len(g) == len(w)
+    for x, y in zip(g, w):
+        assert torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y
+
+
+def _write_then(action):
+    """A FileSystemWriter.write_data that writes this rank's data, then runs ``action``."""
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        future = original(self, plan, planner)
+        future.wait()
+        action()
+        return future
+
+    return write_data
+
+
+def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    first = _tree(1.0)
+    checkpoint.save(tmp_path, first, step=1)
+
+    def boom():
+        raise RuntimeError("disk went away")
+
+    with monkeypatch.context() as m:
+        m.setattr(FileSystemWriter, "write_data", _write_then(boom))
+        with pytest.raises(CheckpointException) as info:  # DCP collects every rank's failure
+            checkpoint.save(tmp_path, _tree(2.0), step=2)
+        assert "disk went away" in repr(info.value.failures)
+    assert (tmp_path / ".tmp-step-00000002").is_dir()  # data written, never published
+    assert checkpoint.find(tmp_path) == tmp_path / "step-00000001"
+    tree, step = checkpoint.load(tmp_path, like=_tree())
+    assert step == 1
+    _assert_same(tree, first)
+
+    # the next save clears the debris and publishes; the previous checkpoint is kept (keep=2)
+    checkpoint.save(tmp_path, _tree(2.0), step=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000001", "step-00000002"]
+    assert checkpoint.load(tmp_path, like=_tree()).step == 2
+    checkpoint.save(tmp_path, _tree(3.0), step=3)
+    assert not (tmp_path / "step-00000001").exists()
+    # a dangling latest (e.g. crash while replacing a step) falls back to the newest complete one
+    (tmp_path / "latest").write_text("step-00000009\n")
+    assert checkpoint.load(tmp_path, like=_tree()).step == 3
+    # loading an explicit checkpoint directory
+    assert checkpoint.load(tmp_path / "step-00000002", like=_tree()).step == 2
+
+
+def _save_then_die(root: str) -> None:
+    checkpoint.save(root, _tree(1.0), step=5)
+    FileSystemWriter.write_data = _write_then(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    checkpoint.save(root, _tree(2.0), step=10)
+
+
+def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
+    proc = multiprocessing.get_context("fork").Process(target=_save_then_die, args=(str(tmp_path),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL, f"child exited with {proc.exitcode}, expected SIGKILL"
+    tree, step = checkpoint.load(tmp_path, like=_tree())
+    assert step == 5
+    _assert_same(tree, _tree(1.0))
+    with pytest.raises(ShardingError, match="is incomplete"):
+        checkpoint.load(tmp_path / ".tmp-step-00000010", like=_tree())
+
+
+def _error(fn) -> str:
+    with pytest.raises(ShardingError) as info:
+        fn()
+    message = str(info.value)
+    assert "Fix:" in message and "123.4" not in message  # never tensor values
+    return message
+
+
+def test_load_errors_name_paths_shapes_dtypes_and_fix(tmp_path):
+    checkpoint.save(tmp_path, _tree(), step=7)
+
+    like = _tree()
+    like["params"]["extra"] = like["params"].pop("b")
+    msg = _error(lambda: checkpoint.load(tmp_path, like=like))
+    assert "different trees" in msg and "step 7" in msg
+    assert "in like but not in the checkpoint: tree['params']['extra']" in msg
+    assert "in the checkpoint but not in like: tree['params']['b']" in msg
+
+    like = _tree()
+    like["params"]["w"] = torch.zeros(4, 5)
+    msg = _error(lambda: checkpoint.load(tmp_path, like=like))
+    assert "tree['params']['w'] has shape (4, 3) (float32)" in msg and "expects (4, 5)" in msg
+
+    like = _tree()
+    like["buffers"] = [torch.zeros(5, dtype=torch.int32)]
+    msg = _error(lambda: checkpoint.load(tmp_path, like=like))
+    assert "tree['buffers'][0] is int64" in msg and "expects int32 (shape (5,))" in msg
+
+    like = _tree()
+    like["epoch"] = torch.zeros(())
+    msg = _error(lambda: checkpoint.load(tmp_path, like=like))
+    assert "tree['epoch'] is a scalar" in msg
+
+
+def test_missing_and_incomplete_checkpoint_errors(tmp_path):
+    msg = _error(lambda: checkpoint.load(tmp_path / "nowhere", like=_tree()))
+    assert "no checkpoint at" in msg and "does not exist" in msg
+    msg = _error(lambda: checkpoint.load(tmp_path, like=_tree()))
+    assert "no checkpoint at" in msg and "no step-N directory" in msg
+    assert checkpoint.find(tmp_path) is None
+
+    # the very first save crashed: only debris, reported as incomplete (and find -> None: start over)
+    (tmp_path / ".tmp-step-00000004").mkdir()
+    msg = _error(lambda: checkpoint.load(tmp_path, like=_tree()))
+    assert "holds only incomplete checkpoints (.tmp-step-00000004)" in msg
+    assert checkpoint.find(tmp_path) is None
+
+    checkpoint.save(tmp_path / "b", _tree(), step=1)
+    (tmp_path / "b" / "step-00000001" / "shardspec.json").unlink()
+    msg = _error(lambda: checkpoint.load(tmp_path / "b" / "step-00000001", like=_tree()))
+    assert "is incomplete: it lacks shardspec.json" in msg
+
+
+def test_save_errors(tmp_path):
+    msg = _error(lambda: checkpoint.save(tmp_path, {"x": torch.ones(2), "f": object()}, step=1))
+    assert "tree['f'] is a object" in msg
+    assert "step must be a non-negative int" in _error(lambda: checkpoint.save(tmp_path, {}, step=-1))
+    assert "keep >= 1" in _error(lambda: checkpoint.save(tmp_path, {}, step=1, keep=0))
+    assert not list(Path(tmp_path).iterdir())  # nothing written for a rejected save
