@@ -6,6 +6,7 @@ sharding. The compiler's entry points (``sharded``, ``constrain``, ``value_and_g
 ``Lowered``) are re-exported lazily: the compiler itself imports this vocabulary.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from shardspec import optim
@@ -32,6 +33,8 @@ _COMPILER = ("Lowered", "constrain", "sharded", "value_and_grad")
 
 
 def __getattr__(name: str) -> Any:
+    if name == "checkpoint":  # imported on first use: it loads torch.distributed.checkpoint
+        return importlib.import_module("shardspec.checkpoint")
     if name in _COMPILER:
         import compiler
 
