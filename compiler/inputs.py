@@ -42,8 +42,8 @@ def signature(fn: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     paths, leaves, tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
     sig = []
     for path, x in zip(paths, leaves, strict=True):
-        if isinstance(x, torch.Tensor):
-            sig.append((type(x).__name__, tuple(x.shape), x.dtype, str(x.device)))
+        if isinstance(x, torch.Tensor):  # a DTensor keys as the global tensor it stands for
+            sig.append(("Tensor", tuple(x.shape), x.dtype, x.device.type))
         elif isinstance(x, _STATIC):
             sig.append(_scalar_key(x))
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import optree
@@ -55,7 +56,7 @@ class ShardedFunction:
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.unsupported = unsupported
         self._cache: dict[Any, Program] = {}
-        self._checked: set[int] = set()
+        self._plans: dict[int, _RealPlan] = {}  # per program: checked across ranks, per-call metadata
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -63,9 +64,9 @@ class ShardedFunction:
     def _program(self, args: tuple[Any, ...]) -> tuple[Program, tuple[Any, ...]]:
         if self.mesh.simulated:
             inputs.check_not_dtensor(self.fn, args, self.mesh)
-        globals_ = tuple(_global_view(a) for a in args)
-        key = inputs.signature(self.fn, globals_)
+        key = inputs.signature(self.fn, args)
         if key not in self._cache:
+            globals_ = tuple(_global_view(a) for a in args)
             token = _TRACING.set(self.mesh)
             try:
                 self._cache[key] = compile_program(
@@ -90,12 +91,13 @@ class ShardedFunction:
             outs = _run_simulated(program, tensors)
         else:
             inputs.check_same_call(key, self.__name__, self.timeout)
-            if id(program) not in self._checked:
+            plan = self._plans.get(id(program))
+            if plan is None:
                 _check_same_program(program, self.mesh.rank)
                 if self.check_values:
                     inputs.check_same_values(tensors, program.traced.in_paths, self.__name__, self.timeout)
-                self._checked.add(id(program))
-            outs = _run_real(program, tensors)
+                plan = self._plans[id(program)] = _real_plan(program)
+            outs = _run_real(program, plan, tensors)
         return optree.tree_unflatten(program.traced.out_tree, outs)
 
     def _inline(self, outer: Mesh, args: tuple[Any, ...]) -> Any:
@@ -154,40 +156,54 @@ def _run_simulated(program: Program, tensors: list[torch.Tensor]) -> list[torch.
     ]
 
 
-def _run_real(program: Program, tensors: list[Any]) -> list[Any]:
+@dataclass(frozen=True)
+class _RealPlan:
+    """What a real call needs besides the program, computed once per program (not per call)."""
+
+    in_placements: tuple[tuple[Any, ...], ...]
+    in_slices: tuple[tuple[slice, ...], ...]  # this rank's block of each full-tensor argument
+    out_placements: tuple[list[Any], ...]
+    out_shapes: tuple[torch.Size, ...]
+    out_strides: tuple[tuple[int, ...], ...]
+
+
+def _real_plan(program: Program) -> _RealPlan:
+    mesh, traced = program.mesh, program.traced
+    ins = list(zip(traced.inputs, program.in_specs, traced.in_paths, strict=True))
+    outs = list(zip(traced.outputs, program.out_specs, traced.out_paths, strict=True))
+    return _RealPlan(
+        tuple(spec_to_placements(s, mesh, t.shape, name=p) for t, s, p in ins),
+        tuple(device_slices(t.shape, mesh, s, mesh.rank) for t, s, _ in ins),
+        tuple(list(spec_to_placements(s, mesh, t.shape, name=p)) for t, s, p in outs),
+        tuple(torch.Size(t.shape) for t, _, _ in outs),
+        tuple(torch.empty(t.shape, device="meta").stride() for t, _, _ in outs),
+    )
+
+
+def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any]:
     from torch.distributed.tensor import DTensor
 
     mesh = program.mesh
-    rank = mesh.rank
     local = []
-    for t, spec, path in zip(tensors, program.in_specs, program.traced.in_paths, strict=True):
+    for t, path, want, where in zip(
+        tensors, program.traced.in_paths, plan.in_placements, plan.in_slices, strict=True
+    ):
         if isinstance(t, DTensor):
             inputs.check_dtensor_mesh(t, mesh, path)
-            want = list(spec_to_placements(spec, mesh, tuple(t.shape), name=path))
-            if list(t.placements) != want:
-                t = t.redistribute(mesh.device_mesh, want)
+            if tuple(t.placements) != want:
+                t = t.redistribute(mesh.device_mesh, list(want))
             local.append(t.to_local())
         else:
-            local.append(t[device_slices(tuple(t.shape), mesh, spec, rank)].contiguous())
+            local.append(t[where].contiguous())
     with torch.no_grad():
-        outs = list(program.programs[rank](*local))
-    results = []
-    for out, spec, info, path in zip(
-        outs, program.out_specs, program.traced.outputs, program.traced.out_paths, strict=True
-    ):
-        placements = spec_to_placements(spec, mesh, info.shape, name=path)
-        stride = torch.empty(info.shape, device="meta").stride()
-        results.append(
-            DTensor.from_local(
-                out,
-                mesh.device_mesh,
-                list(placements),
-                run_check=False,
-                shape=torch.Size(info.shape),
-                stride=stride,
-            )
+        outs = program.programs[mesh.rank](*local)
+    device_mesh = mesh.device_mesh
+    return [
+        DTensor.from_local(out, device_mesh, placements, run_check=False, shape=shape, stride=stride)
+        for out, placements, shape, stride in zip(
+            outs, plan.out_placements, plan.out_shapes, plan.out_strides, strict=True
         )
-    return results
+    ]
 
 
 def _check_same_program(program: Program, rank: int) -> None:
