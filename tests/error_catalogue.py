@@ -1,0 +1,385 @@
+"""The catalogue of bad inputs: each case is a user mistake, the words its error must contain (the
+argument path, spec or sizes, and the fix), and the category it belongs to.
+
+``tests/test_error_catalogue.py`` runs every case; ``python -m tests.error_catalogue`` rewrites
+``docs/errors.md`` from the messages the cases actually produce, so the page cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import shardspec
+from shardspec import Mesh, P, constrain, optim, shard, sharded, spec_to_placements, unshard
+
+SIM = Mesh({"dp": 2, "tp": 2}, simulate=True)
+DP = Mesh({"dp": 2}, simulate=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    category: str
+    title: str
+    run: Callable[[], Any]
+    says: tuple[str, ...]  # fragments the message must contain (besides the "Fix:" line)
+
+
+def _step(fn: Callable[..., Any], in_specs: Any, out_specs: Any, mesh: Mesh = SIM, **kw: Any) -> Any:
+    return sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
+
+
+def _mlp(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return ((x @ params["w1"]).relu() @ params["w2"]).sum()
+
+
+PARAMS = {"w1": torch.randn(4, 8), "w2": torch.randn(8, 2)}
+X = torch.randn(4, 4)
+
+
+def _branch(x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:
+        return x * 2
+    return x
+
+
+def _mutates(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    params["w1"].mul_(0.5)
+    return x.sum()
+
+
+_BUF = torch.zeros(4)
+
+
+def _closure_write(x: torch.Tensor) -> torch.Tensor:
+    _BUF.add_(x)
+    return x * 2
+
+
+def _nonzero(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0].sum()
+
+
+def _random(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rand_like(x)
+
+
+def _item(x: torch.Tensor) -> torch.Tensor:
+    return x * x.sum().item()
+
+
+def _returns_float(x: torch.Tensor) -> Any:
+    return x.sum(), 1.5
+
+
+def _no_rule(x: torch.Tensor) -> torch.Tensor:
+    return torch.cdist(x, x).sum()
+
+
+def _bad_constraint(x: torch.Tensor) -> torch.Tensor:
+    return constrain(x * 2, P("sp")).sum()
+
+
+def _microbatches(w: torch.Tensor, x: torch.Tensor) -> Any:
+    loss, g = shardspec.value_and_grad(lambda w, x: (x @ w).sum(), microbatches=3)(w, x)
+    return w - g, loss
+
+
+def _grad_outside() -> Any:
+    step = _step(lambda x: (x * x).sum(), (P("dp"),), P())
+    return torch.func.grad(step)(torch.ones(4))
+
+
+def _nested_other_mesh() -> Any:
+    inner = _step(lambda y: y, (P(),), P(), mesh=Mesh({"tp": 2}, simulate=True))
+    return _step(lambda x: inner(x), (P("dp"),), P("dp"))(torch.ones(4, 2))
+
+
+CASES: tuple[Case, ...] = (
+    # mesh
+    Case(
+        "mesh",
+        "an axis name used twice",
+        lambda: Mesh([("dp", 2), ("dp", 4)], simulate=True),
+        ("'dp' appears twice",),
+    ),
+    Case("mesh", "an axis of size 0", lambda: Mesh({"dp": 0}, simulate=True), ("'dp'", "size 0", ">= 1")),
+    Case(
+        "mesh",
+        "a float axis size",
+        lambda: Mesh({"dp": 2.0}, simulate=True),
+        ("2.0", "float", "positive int"),
+    ),
+    Case("mesh", "a mesh with no axes", lambda: Mesh({}, simulate=True), ("at least one axis",)),
+    Case("mesh", "an empty axis name", lambda: Mesh({"": 2}, simulate=True), ("not a valid name",)),
+    Case(
+        "mesh",
+        "axes that are neither a dict nor pairs",
+        lambda: Mesh(4, simulate=True),
+        ("dict of name -> size",),
+    ),
+    Case("mesh", "a rank outside the mesh", lambda: SIM.coords(4), ("rank 4", "0..3")),
+    Case("mesh", "the rank of a simulated mesh", lambda: DP.rank, ("virtual devices",)),
+    Case(
+        "mesh",
+        "sharded(mesh=...) that is not a Mesh",
+        lambda: sharded(_mlp, mesh="dp", in_specs=(), out_specs=()),
+        ("needs a shardspec.Mesh", "str"),
+    ),
+    # specs
+    Case(
+        "specs", "an axis used twice in one spec", lambda: P("dp", None, "dp"), ("'dp' twice", "dims 0 and 2")
+    ),
+    Case("specs", "a spec entry of the wrong type", lambda: P("dp", 2), ("entry 1 is 2 of type int",)),
+    Case(
+        "specs",
+        "a string where a P belongs",
+        lambda: shard(X, DP, "dp", name="x"),
+        ("x", "expected a partition spec", "P('dp')"),
+    ),
+    Case(
+        "specs",
+        "an axis the mesh does not have",
+        lambda: shard(X, SIM, P("mp"), name="params['w1']"),
+        ("params['w1']", "P('mp')", "['dp', 'tp']"),
+    ),
+    Case(
+        "specs",
+        "a spec longer than the tensor's rank",
+        lambda: shard(torch.zeros(4), SIM, P("dp", None, "tp"), name="batch"),
+        ("batch", "3 entries", "shape (4,)"),
+    ),
+    Case(
+        "specs",
+        "an uneven split over two axes that DTensor would place differently",
+        lambda: spec_to_placements(P(("dp", "tp")), SIM, (6, 3), name="x"),
+        ("x: spec P(('dp', 'tp')) splits dim 0 of size 6 unevenly", "multiple of 4"),
+    ),
+    Case(
+        "specs",
+        "a split spec on a Python scalar",
+        lambda: _step(lambda x, lr: x * lr, (P(), P("dp")), P())(X, 0.5),
+        ("lr is a Python float (0.5)", "P('dp')", "use P() for lr"),
+    ),
+    Case(
+        "specs",
+        "a result spec longer than the result's rank",
+        lambda: _step(_mlp, (P(), P()), P("dp"))(PARAMS, X),
+        ("result", "P('dp')", "P() for a scalar"),
+    ),
+    Case(
+        "specs",
+        "a reversed axis tuple DTensor cannot hold",
+        lambda: spec_to_placements(P(("tp", "dp")), SIM, name="w"),
+        ("w:", "('tp', 'dp')", "('dp', 'tp')"),
+    ),
+    Case(
+        "specs",
+        "an unknown axis in a constraint",
+        lambda: _step(_bad_constraint, (P("dp"),), P())(X),
+        ("constrain at", 'P("sp")', "'sp'"),
+    ),
+    # pytrees
+    Case(
+        "pytrees",
+        "spec keys that differ from the argument's keys",
+        lambda: _step(_mlp, ({"W1": P(), "w2": P()}, P()), P())(PARAMS, X),
+        ("params", "['W1']", "['w1']"),
+    ),
+    Case(
+        "pytrees",
+        "a wrong number of argument specs",
+        lambda: _step(_mlp, (P(), P(), P()), P())(PARAMS, X),
+        ("in_specs has 3 entries", "2 arguments", "params, x"),
+    ),
+    Case(
+        "pytrees",
+        "in_specs that is a single P",
+        lambda: _step(_mlp, P(), P())(PARAMS, X),
+        ("in_specs is a P", "2 arguments"),
+    ),
+    Case(
+        "pytrees",
+        "a result spec tree that does not match the results",
+        lambda: _step(_mlp, (P(), P()), (P(), P()))(PARAMS, X),
+        ("out_specs does not match", "result"),
+    ),
+    Case(
+        "pytrees",
+        "a leaf that is neither a tensor nor a scalar",
+        lambda: _step(lambda x, o: x, (P(), P()), P())(X, object()),
+        ("o: a leaf of type object",),
+    ),
+    Case(
+        "pytrees",
+        "a result that is not a tensor",
+        lambda: _step(_returns_float, (P(),), (P(), P()))(X),
+        ("result[1]", "float"),
+    ),
+    Case(
+        "pytrees",
+        "a piece count that does not match the mesh",
+        lambda: unshard([torch.zeros(2)] * 3, SIM, P("dp")),
+        ("3 pieces", "4 devices"),
+    ),
+    Case(
+        "pytrees",
+        "pieces that tile no torch.chunk layout",
+        lambda: unshard([torch.zeros(2, 2), torch.zeros(2, 3)], DP, P(None, "dp")),
+        ("rank 0 holds shape (2, 2)", "(2, 5)"),
+    ),
+    # function purity
+    Case(
+        "purity",
+        "a branch on a tensor's value",
+        lambda: _step(_branch, (P("dp"),), P("dp"))(X),
+        ("if x.sum() > 0:", "torch.where"),
+    ),
+    Case(
+        "purity",
+        "an argument modified in place",
+        lambda: _step(_mutates, (P(), P()), P())(PARAMS, X),
+        ("params['w1'] is modified in place", "mul_(0.5)"),
+    ),
+    Case(
+        "purity",
+        "a closed-over tensor modified in place",
+        lambda: _step(_closure_write, (P("dp"),), P("dp"))(torch.ones(4)),
+        ("closes over", "_BUF.add_(x)", "argument"),
+    ),
+    Case(
+        "purity",
+        "a value-dependent shape (boolean indexing)",
+        lambda: _step(_nonzero, (P("dp"),), P())(X),
+        ("depends on tensor values", "torch.where"),
+    ),
+    Case(
+        "purity",
+        "random numbers inside the step",
+        lambda: _step(_random, (P("dp"),), P("dp"))(X),
+        ("rand", "pass them in as arguments"),
+    ),
+    Case(
+        "purity",
+        ".item() inside the step",
+        lambda: _step(_item, (P("dp"),), P("dp"))(X),
+        (".item()", "x.sum().item()", "keep it a tensor"),
+    ),
+    # autograd
+    Case(
+        "autograd",
+        "torch.func.grad through a sharded step",
+        _grad_outside,
+        ("torch.func transform", "value_and_grad"),
+    ),
+    Case(
+        "autograd",
+        "an argument that requires grad",
+        lambda: _step(lambda x: x.sum(), (P("dp"),), P())(torch.ones(4, requires_grad=True)),
+        ("x requires grad", "(4,)", "value_and_grad"),
+    ),
+    Case(
+        "autograd",
+        "microbatches that do not divide the batch",
+        lambda: _step(_microbatches, (P(), P("dp")), (P(), P()))(torch.randn(4, 2), X),
+        ("(4, 4)", "3 microbatches"),
+    ),
+    # unsupported ops and options
+    Case(
+        "ops",
+        "an op without a sharding rule",
+        lambda: _step(_no_rule, (P("dp"),), P())(X),
+        ("no sharding rule for aten._cdist_forward", "torch.cdist(x, x)", "unsupported='replicate'"),
+    ),
+    Case(
+        "ops",
+        "an unknown unsupported= option",
+        lambda: sharded(_mlp, mesh=SIM, in_specs=(), out_specs=(), unsupported="gather"),
+        ("unsupported='gather'",),
+    ),
+    Case("ops", "a sharded step nested in one on another mesh", _nested_other_mesh, ("another mesh", "tp=2")),
+    Case(
+        "ops",
+        "a DTensor-only helper on a simulated mesh",
+        lambda: shardspec.from_local(torch.ones(2), P("dp"), DP),
+        ("from_local needs a real mesh",),
+    ),
+    # optimizers
+    Case(
+        "optim",
+        "an AdamW hyper-parameter out of range",
+        lambda: optim.adamw(lr=-1.0),
+        ("adamw(lr=-1.0", "lr > 0"),
+    ),
+    Case(
+        "optim",
+        "an SGD hyper-parameter out of range",
+        lambda: optim.sgd(lr=0.1, momentum=-1.0),
+        ("momentum=-1.0", "momentum >= 0"),
+    ),
+)
+
+# Real-mode cases run on 2 gloo processes (tests/_contract_fns.py); listed here for the catalogue.
+REAL_CASES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("ddp_habit", "each rank passes its own slice of the batch as a plain tensor", ("x", "from_local")),
+    ("seeds", "replicated parameters initialised differently on each rank", ("w", "[[0], [1]]")),
+    ("scalar", "a rank-dependent Python scalar (e.g. lr)", ("different arguments", "[[0], [1]]")),
+    ("grid", "a DTensor on another device grid with the same dim names", ("DeviceMesh [1, 0]", "[0, 1]")),
+    ("shape", "one rank alone changes an argument's shape on a later call", ("different arguments",)),
+    ("absent", "a rank that never calls the step", ("did not complete within 2 s", "did not call the step")),
+)
+
+
+def message(run: Callable[[], Any]) -> str:
+    """The ShardingError text ``run`` raises ('' when it raises nothing)."""
+    try:
+        run()
+    except shardspec.ShardingError as exc:
+        return str(exc)
+    return ""
+
+
+def render(real: dict[str, str]) -> str:
+    """docs/errors.md from the messages the cases produce now (paths relative to the repository)."""
+    root = str(pathlib.Path(__file__).resolve().parent.parent) + "/"
+    lines = [
+        "# Errors",
+        "",
+        "Every user mistake below raises `shardspec.ShardingError` (a `ValueError`) whose first line names",
+        "what is wrong (argument path, spec, sizes, source line) and whose last line says how to fix it. No",
+        "message prints tensor values. The messages are the ones the code produces today: this page is",
+        "generated by `python -m tests.error_catalogue`, and `tests/test_error_catalogue.py` checks every",
+        "case and that this page is current.",
+        "",
+    ]
+    current = ""
+    for case in CASES:
+        if case.category != current:
+            current = case.category
+            lines += [f"## {current}", ""]
+        lines += [f"### {case.title}", "", "```text", message(case.run).replace(root, ""), "```", ""]
+    lines += ["## real meshes (2 gloo processes)", ""]
+    for key, title, _ in REAL_CASES:
+        lines += [f"### {title}", "", "```text", real.get(key, ""), "```", ""]
+    return "\n".join(lines)
+
+
+def real_messages() -> dict[str, str]:
+    from shardspec.testing import run_distributed
+    from tests import _contract_fns
+
+    results = run_distributed(_contract_fns.contract_checks, 2, timeout=120)
+    return {key: str(results[0][key]) for key, _, _ in REAL_CASES}
+
+
+if __name__ == "__main__":
+    text = render(real_messages())
+    out = sys.argv[1] if len(sys.argv) > 1 else "docs/errors.md"
+    with open(out, "w") as f:
+        f.write(text)
+    print(f"wrote {out}: {len(CASES) + len(REAL_CASES)} cases")
