@@ -115,6 +115,57 @@ def _caller(case: Case) -> Any:
     return call
 
 
+def _grad_slots(case: Case) -> list[int]:
+    """Positions (among tensor leaves) of the floating inputs gradients are taken for."""
+    tensors = [x for x in case.leaves if isinstance(x, torch.Tensor)]
+    return [i for i, t in enumerate(tensors) if t.is_floating_point()]
+
+
+def _loss_of(call: Any, weights: list[torch.Tensor]) -> Any:
+    """A scalar that mixes every floating output with fixed weights, so each output's gradient counts."""
+
+    def loss(*tensors: torch.Tensor) -> torch.Tensor:
+        outs = [o for o in optree.tree_leaves(call(*tensors), none_is_leaf=True) if _differentiable(o)]
+        terms = [(o * w).sum() for o, w in zip(outs, weights, strict=True)]
+        total = terms[0]
+        for t in terms[1:]:
+            total = total + t
+        return total
+
+    return loss
+
+
+def _differentiable(o: Any) -> bool:
+    return isinstance(o, torch.Tensor) and o.is_floating_point()
+
+
+def _weights(want: Any, case: Case) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(hash((case.op, case.variant, case.index)) % 2**31)
+    outs = [o for o in optree.tree_leaves(want, none_is_leaf=True) if _differentiable(o)]
+    return [torch.randn(o.shape, generator=g) for o in outs]
+
+
+def eager_grads(case: Case, want: Any) -> list[torch.Tensor] | None:
+    """Reference gradients of the weighted loss (None when eager autograd does not handle the op)."""
+    tensors = [x.detach().clone() for x in case.leaves if isinstance(x, torch.Tensor)]
+    slots = _grad_slots(case)
+    if not slots:
+        return None
+    for i in slots:
+        tensors[i].requires_grad_(True)
+    try:
+        weights = _weights(want, case)
+        if not weights:
+            return None
+        loss = _loss_of(_caller(case), weights)(*tensors)
+        if not loss.requires_grad:
+            return None
+        grads = torch.autograd.grad(loss, [tensors[i] for i in slots], allow_unused=True)
+    except Exception:
+        return None
+    return [torch.zeros_like(tensors[i]) if g is None else g for i, g in zip(slots, grads, strict=True)]
+
+
 def _same(got: Any, want: Any) -> bool:
     g, w = optree.tree_leaves(got, none_is_leaf=True), optree.tree_leaves(want, none_is_leaf=True)
     if len(g) != len(w):
@@ -141,7 +192,9 @@ def _skip_reason(case: Case, want: Any) -> str | None:
     return None
 
 
-def run_ours(case: Case, mesh: Mesh) -> str:
+def run_ours(case: Case, mesh: Mesh, backward: bool = False) -> str:
+    """Classify one sample through @sharded: the op's results, or (``backward``) the gradients of a
+    weighted sum of its results with respect to its floating inputs, taken inside the step."""
     from shardspec import sharded
 
     call = _caller(case)
@@ -153,6 +206,14 @@ def run_ours(case: Case, mesh: Mesh) -> str:
     if _skip_reason(case, want):
         return "skipped"
     out_specs = optree.tree_map(lambda _: P(), want, none_is_leaf=True)
+    if backward:
+        grads = eager_grads(case, want)
+        if grads is None:
+            return "skipped"
+        slots = _grad_slots(case)
+        loss = _loss_of(call, _weights(want, case))
+        call = _grads_step(loss, slots)
+        want, out_specs = grads, [P() for _ in grads]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -166,9 +227,25 @@ def run_ours(case: Case, mesh: Mesh) -> str:
     return "pass" if _same(got, want) else "mismatch"
 
 
-def run_dtensor_rank(rank: int, world: int, cases: list[Case]) -> list[str]:
+def _grads_step(loss: Any, slots: list[int]) -> Any:
+    from shardspec import value_and_grad
+
+    def step(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        def of(*diff: torch.Tensor) -> torch.Tensor:
+            full = list(tensors)
+            for i, d in zip(slots, diff, strict=True):
+                full[i] = d
+            return loss(*full)
+
+        _, grads = value_and_grad(of, argnums=tuple(range(len(slots))))(*(tensors[i] for i in slots))
+        return list(grads)
+
+    return step
+
+
+def run_dtensor_rank(rank: int, world: int, cases: list[Case], backward: bool = False) -> list[str]:
     """On one rank of a 4-process gloo world: each case through DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     from shardspec.placements import spec_to_placements
 
@@ -185,12 +262,28 @@ def run_dtensor_rank(rank: int, world: int, cases: list[Case]) -> list[str]:
         if _skip_reason(case, want):
             out.append("skipped")
             continue
+        grads = eager_grads(case, want) if backward else None
+        if backward and grads is None:
+            out.append("skipped")
+            continue
         try:
             dts = [
                 distribute_tensor(t, mesh.device_mesh, list(spec_to_placements(s, mesh, tuple(t.shape))))
                 for t, s in zip(tensors, case.specs, strict=True)
             ]
-            got = call(*dts)
+            if backward:
+                slots = _grad_slots(case)
+                for i in slots:
+                    dts[i].requires_grad_(True)
+                weights = [
+                    distribute_tensor(w, mesh.device_mesh, [Replicate()] * 2) for w in _weights(want, case)
+                ]
+                loss = _loss_of(call, weights)(*dts)
+                got = list(torch.autograd.grad(loss, [dts[i] for i in slots], allow_unused=True))
+                got = [torch.zeros_like(dts[i]) if g is None else g for i, g in zip(slots, got, strict=True)]
+                want = grads
+            else:
+                got = call(*dts)
             got = optree.tree_map(
                 lambda v: v.full_tensor() if isinstance(v, DTensor) else v, got, none_is_leaf=True
             )
@@ -220,31 +313,8 @@ def summarize(cases: list[Case], results: list[str]) -> tuple[Counter[str], dict
     return Counter(per_op.values()), per_op
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", type=int, default=None, help="only the first N OpInfos")
-    ap.add_argument("--samples", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-dtensor", action="store_true")
-    args = ap.parse_args()
-    t0 = time.time()
-    cases = build_cases(args.ops, args.samples, args.seed)
-    mesh = Mesh({"x": 2, "y": 2}, simulate=True)
-    ours = [run_ours(c, mesh) for c in cases]
-    t1 = time.time()
-    ours_count, ours_ops = summarize(cases, ours)
-    rows = [("shardspec @sharded", ours_count, t1 - t0)]
-    dt_ops: dict[str, str] = {}
-    if not args.no_dtensor:
-        from shardspec.testing import run_distributed
-
-        dt = run_distributed(run_dtensor_rank, 4, args=(cases,), timeout=3600)[0]
-        dt_count, dt_ops = summarize(cases, dt)
-        rows.append(("DTensor", dt_count, time.time() - t1))
-    print(
-        f"{len(cases)} samples of {len(ours_ops)} ops (float32, mesh x=2 x y=2, random input specs, "
-        f"seed {args.seed})"
-    )
+def _table(title: str, rows: list[tuple[str, Counter[str], float]]) -> None:
+    print(f"\n{title}")
     print("| side | ops pass | missing rule | refused | mismatch | error | skipped | seconds |")
     print("|---|---|---|---|---|---|---|---|")
     for name, c, secs in rows:
@@ -252,12 +322,42 @@ def main() -> None:
             f"| {name} | {c['pass']} | {c['missing rule']} | {c['refused']} | {c['mismatch']} | "
             f"{c['error']} | {c['skipped']} | {secs:.0f} |"
         )
-    for status in ("mismatch", "error", "refused", "missing rule"):
-        names = sorted(k for k, v in ours_ops.items() if v == status)
-        print(f"shardspec {status}: {', '.join(names) if names else 'none'}")
-    if not args.no_dtensor:
-        names = sorted(k for k, v in dt_ops.items() if v == "mismatch")
-        print(f"DTensor mismatch: {', '.join(names) if names else 'none'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", type=int, default=None, help="only the first N OpInfos")
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-dtensor", action="store_true")
+    ap.add_argument("--no-backward", action="store_true", help="forward results only")
+    args = ap.parse_args()
+    cases = build_cases(args.ops, args.samples, args.seed)
+    mesh = Mesh({"x": 2, "y": 2}, simulate=True)
+    n_ops = len({(c.op, c.variant) for c in cases})
+    print(
+        f"{len(cases)} samples of {n_ops} ops (float32, mesh x=2 x y=2, random input specs, seed {args.seed})"
+    )
+    for backward in (False,) if args.no_backward else (False, True):
+        t0 = time.time()
+        ours = [run_ours(c, mesh, backward) for c in cases]
+        t1 = time.time()
+        ours_count, ours_ops = summarize(cases, ours)
+        rows = [("shardspec @sharded", ours_count, t1 - t0)]
+        dt_ops: dict[str, str] = {}
+        if not args.no_dtensor:
+            from shardspec.testing import run_distributed
+
+            dt = run_distributed(run_dtensor_rank, 4, args=(cases, backward), timeout=3600)[0]
+            dt_count, dt_ops = summarize(cases, dt)
+            rows.append(("DTensor", dt_count, time.time() - t1))
+        _table("gradients (backward)" if backward else "results (forward)", rows)
+        for status in ("mismatch", "error", "refused", "missing rule"):
+            names = sorted(k for k, v in ours_ops.items() if v == status)
+            print(f"shardspec {status}: {', '.join(names) if names else 'none'}")
+        if not args.no_dtensor:
+            names = sorted(k for k, v in dt_ops.items() if v == "mismatch")
+            print(f"DTensor mismatch: {', '.join(names) if names else 'none'}")
 
 
 if __name__ == "__main__":
