@@ -79,3 +79,10 @@ def train_phase(
         out["rng_after_save"] = torch.rand(3)
     out["params"] = {k: _full(v) for k, v in params.items()}
     return out
+
+
+def train_gpt_rank(rank: int, world: int, argv: list[str]) -> None:
+    """One rank of ``examples.train_gpt`` in a ``run_distributed(..., backend=None)`` group."""
+    from examples import train_gpt
+
+    train_gpt.main(argv)

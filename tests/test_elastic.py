@@ -1,0 +1,81 @@
+"""Restart with torchrun: a rank SIGKILLs itself, torchrun restarts the group, training resumes from
+the newest complete checkpoint and ends with exactly the parameters of an uninterrupted run.
+
+The uninterrupted run uses the same mesh, per-rank programs and collectives on 4 gloo processes, and
+the data of each step depends on the step alone, so equality is bitwise (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardspec.testing import run_distributed
+from tests import _ckpt_fns as fns
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 6, 2
+TRAIN = ["--mesh", "dp=2,tp=2", "--layers", "1", "--steps", str(STEPS)]
+TIMEOUT = 240  # seconds for one torchrun invocation (two attempts) on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("ref") / "params.pt"
+    run_distributed(fns.train_gpt_rank, 4, args=([*TRAIN, "--out", str(out)],), backend=None, timeout=180)
+    return torch.load(out)
+
+
+def _torchrun(args: list[str], cwd: Path) -> str:
+    """Run the example under torchrun (4 gloo workers, one restart allowed); return its output."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "examples.train_gpt", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {TIMEOUT} s; last output:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"torchrun exited with {proc.returncode}; last output:\n{output[-6000:]}"
+    return output
+
+
+def _check(output: str, out: Path, want: dict[str, torch.Tensor], resumed_at: int) -> None:
+    assert "mode: real (dp=2 x tp=2: 4 processes, gloo, attempt 0)" in output
+    assert "mode: real (dp=2 x tp=2: 4 processes, gloo, attempt 1)" in output, output[-4000:]
+    assert f"(step {resumed_at})" in output.split("attempt 1)", 1)[1], output[-4000:]
+    got = torch.load(out)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k}: max diff {(got[k] - want[k]).abs().max().item()}"
+
+
+def test_killed_rank_restarts_and_matches_uninterrupted_run(tmp_path, uninterrupted):
+    out, ckpt = tmp_path / "params.pt", tmp_path / "ckpt"
+    args = [*TRAIN, "--ckpt", str(ckpt), "--ckpt-every", str(EVERY), "--out", str(out)]
+    output = _torchrun([*args, "--kill-rank", "1", "--kill-step", "3"], tmp_path)
+    assert "rank 1: killing myself (SIGKILL) before step 4" in output
+    _check(output, out, uninterrupted, resumed_at=2)
+
+
+def test_kill_during_save_resumes_from_previous_checkpoint(tmp_path, uninterrupted):
+    out, ckpt = tmp_path / "params.pt", tmp_path / "ckpt"
+    args = [*TRAIN, "--ckpt", str(ckpt), "--ckpt-every", str(EVERY), "--out", str(out)]
+    output = _torchrun([*args, "--kill-step", "4", "--kill-during-save"], tmp_path)
+    assert "rank 1: killing myself (SIGKILL) in the middle of a checkpoint save" in output
+    _check(output, out, uninterrupted, resumed_at=2)  # step 4's partial save was never published
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000004", "step-00000006"]
