@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from shardspec.errors import fail
 from shardspec.layout import local_shape
@@ -38,7 +39,7 @@ from shardspec.spec import P
 META = "shardspec.json"
 LATEST = "latest"
 FORMAT = "shardspec-checkpoint/1"
-_PREFIX, _TMP = "step-", ".tmp-step-"
+_PREFIX, _TMP, _OLD = "step-", ".tmp-step-", ".old-step-"
 _SCALARS = (bool, int, float, str)
 
 __all__ = ["Restored", "find", "load", "save"]
@@ -73,16 +74,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    """Make a rename durable (best effort: not every platform opens directories)."""
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -114,8 +112,6 @@ def _agree(value: Any) -> Any:
 
 
 def _describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(leaf, DTensor):
         if any(p.is_partial() for p in leaf.placements):
             raise fail(
@@ -173,7 +169,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(_TMP + "*"):
+            for stale in [*root.glob(_TMP + "*"), *root.glob(_OLD + "*")]:
                 shutil.rmtree(stale)  # left by a crashed save; never loadable
             tmp.mkdir()
         except OSError as exc:
@@ -209,7 +205,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None
 def _publish(root: Path, tmp: Path, name: str, keep: int | None) -> None:
     final = root / name
     if final.exists():  # saving the same step again: the new data wins
-        trash = root / f".old-{name}-{os.getpid()}"
+        trash = root / f"{_OLD}{name.removeprefix(_PREFIX)}"
         os.rename(final, trash)
         os.rename(tmp, final)
         shutil.rmtree(trash, ignore_errors=True)
@@ -324,9 +320,6 @@ def load(
     _check_structure(f"{ckpt} (step {meta['step']})", paths, leaves, saved)
     real = mesh is not None and not mesh.simulated
     leaf_specs = _leaf_specs(specs, like, paths) if real else [P()] * len(paths)
-
-    from torch.distributed.tensor import DTensor
-
     state: dict[str, Any] = {}
     for p, spec in zip(paths, leaf_specs):
         rec = saved[p]

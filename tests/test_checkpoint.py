@@ -130,6 +130,10 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert checkpoint.load(tmp_path, like=_tree()).step == 3
     # loading an explicit checkpoint directory
     assert checkpoint.load(tmp_path / "step-00000002", like=_tree()).step == 2
+    # saving a step again replaces it
+    checkpoint.save(tmp_path, _tree(4.0), step=3)
+    _assert_same(checkpoint.load(tmp_path, like=_tree()).tree, _tree(4.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002", "step-00000003"]
 
 
 def _save_then_die(root: str) -> None:
