@@ -87,25 +87,6 @@ def _die_after_writing() -> Any:
     return mock.patch.object(FileSystemWriter, "write_data", write_data)
 
 
-def join_torchrun_group() -> None:
-    """Start torch.distributed from the torchrun environment, under a key prefix per restart.
-
-    torchrun's agent keeps one TCPStore across restarts; without a prefix, a restarted gloo group
-    would read the dead workers' addresses from it and fail to connect.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized() or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        return
-    store, rank, world = next(dist.rendezvous("env://"))
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    prefixed = dist.PrefixStore(f"attempt-{attempt}/", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", type=parse_mesh, default={"dp": 2, "tp": 2}, help="e.g. dp=2,tp=2")
@@ -132,8 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not args.simulate:
-        join_torchrun_group()
     mesh = Mesh(args.mesh, simulate=args.simulate)
     rank = 0 if mesh.simulated else mesh.rank
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

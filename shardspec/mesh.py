@@ -292,7 +292,18 @@ def _connect(mesh: Mesh) -> tuple[int, DeviceMesh]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend)
+        else:
+            # torchrun keeps one store across restarts: key this attempt apart, or a restarted group
+            # would read the dead workers' addresses and fail to connect
+            from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+            from torch.distributed.rendezvous import rendezvous
+
+            store, rank, size = next(rendezvous("env://"))
+            prefixed = PrefixStore(f"shardspec-attempt-{attempt}/", store)
+            dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
     return dist.get_rank(), device_mesh
