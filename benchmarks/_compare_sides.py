@@ -121,7 +121,7 @@ def shardspec_side(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torc
         "launches": cost.collective_count,
         "bytes": cost.comm_bytes_per_rank,
         "bytes_by_kind": dict(cost.bytes_by_kind),
-        "launches_by_kind": _count_kinds([c.kind for c in lowered.collectives()]),
+        "launches_by_kind": _count_kinds([c.kind for c in lowered.collectives()]),  # per tensor
         "planned_peak_bytes": cost.peak_memory_bytes_per_rank,
     }
 

@@ -93,13 +93,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def kinds(rows: list[dict[str, Any]]) -> str:
-    """Launches by collective kind, per side: where the launch counts come from."""
+    """Launches by kind, per side. For shardspec the planned collectives (one per tensor) and the
+    launches that ran (fewer where the compiler buckets several tensors into one call)."""
     out = []
     for r in rows:
         c = r["comm"]
         out.append(
-            f"world {r['world']} {r['strategy']}: shardspec {c['shardspec']['launches_by_kind']} "
-            f"(observed {c['shardspec']['observed_launches']}); torch {c['torch']['launches_by_kind']}; "
+            f"world {r['world']} {r['strategy']}: shardspec launched "
+            f"{c['shardspec']['observed_launches_by_kind']} for the planned collectives "
+            f"{c['shardspec']['launches_by_kind']}; torch {c['torch']['launches_by_kind']}; "
             f"shardspec compile {r['compile_s']:.1f} s"
         )
     return "\n".join(out)
