@@ -142,7 +142,8 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, src: Sharding, dst: Shardin
             dims[d] = want
             cur = replace(cur, dims=tuple(dims))
     assert cur == dst, (src, dst, cur)
-    return steps
+    # over axes of size 1 every collective is the identity: a 1-device mesh communicates nothing
+    return [s for s in steps if mesh.axis_size(s.axes) > 1]
 
 
 def cost(steps: list[Step]) -> tuple[float, int]:

@@ -25,7 +25,7 @@ def test_uneven_hidden_and_batch_dims_match_unsharded():
     got, want = f(params, state, x, y), STEP(params, state, x, y)
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    program = f._program((params, state, x, y))
+    program = f.lower(params, state, x, y).program
     assert program.programs[0] is not program.programs[-1]  # per-rank programs
     assert local_shape((6, 10), mesh, P(None, "dp"), 0) == (6, 3)
     assert local_shape((6, 10), mesh, P(None, "dp"), 7) == (6, 1)
