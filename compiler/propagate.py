@@ -201,7 +201,7 @@ class _Propagator(Lookahead, PendingSums):
         outs = vals if isinstance(vals, (tuple, list)) else [vals]
         for toks, shp in [
             *zip(rule.operands, (shape(o) for o in operands), strict=True),
-            *zip(rule.outputs, (tuple(v.shape) for v in outs), strict=True),
+            *zip(rule.outputs, (tuple(v.shape) if v is not None else () for v in outs), strict=True),
         ]:
             for t, n in zip(toks, shp, strict=True):
                 if len(t) == 1:

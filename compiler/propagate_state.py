@@ -82,7 +82,8 @@ def _replicate_rule(node: Node) -> tuple[Rule, list[Node]]:
     toks = [[f"o{i}_{d}!" for d in range(len(shape(a)))] for i, a in enumerate(operands)]
     vals = node.meta["val"]
     outs = vals if isinstance(vals, (tuple, list)) else [vals]
-    otoks = [[f"r{i}_{d}!" for d in range(v.dim())] for i, v in enumerate(outs)]
+    # a multi-result op may return None for results nobody asked for (convolution_backward's mask)
+    otoks = [[f"r{i}_{d}!" for d in range(v.dim() if v is not None else 0)] for i, v in enumerate(outs)]
     from compiler.rules.notation import line
 
     return parse(line(toks, otoks), "none"), operands

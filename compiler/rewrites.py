@@ -6,7 +6,8 @@ attention kernels have neither rules nor a sharded backward. A matmul with sever
 over batch and heads) becomes one ``shardspec::matmul`` node: ATen would merge the batch dims into one
 for ``bmm``, and a merged (batch, heads) dim split over two axes is not a block of anything. Dropout
 with p > 0 is refused: it needs random numbers that do not depend on how a tensor is split, which the
-runtime does not provide yet.
+runtime does not provide yet. ``one_hot`` becomes a comparison with ``arange`` (its kernel validates
+label values, which a shape-only trace cannot do).
 """
 
 from __future__ import annotations
@@ -134,11 +135,31 @@ def _dropout_error(what: str) -> Exception:
     )
 
 
+def one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """F.one_hot as a comparison with arange: ATen's kernel checks the labels' range on their
+    values, which a shape-only trace cannot see (it read as user control flow). Labels out of range
+    give a row of zeros instead of an error. Without num_classes the width is the largest label + 1,
+    a value the step cannot be compiled on."""
+    if num_classes < 0:
+        raise fail(
+            f"F.one_hot without num_classes at {user_frame()}: the number of classes would be the "
+            "largest label + 1, which depends on tensor values; the step is traced on shapes only.",
+            "pass num_classes=<number of classes> to F.one_hot.",
+        )
+    classes = torch.arange(num_classes, device=labels.device, dtype=labels.dtype)
+    return (labels.unsqueeze(-1) == classes).to(torch.int64)
+
+
+_ONE_HOT = {F.one_hot, torch._C._nn.one_hot}
+
+
 class Rewrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _SDPA:
             return sdpa_math(*args, **kwargs)
+        if func in _ONE_HOT:
+            return one_hot(*args, **kwargs)
         if func in _MATMUL and len(args) == 2 and not kwargs and _many_batch_dims(*args):
             return batched_matmul(*args)
         if func in _DROPOUT:

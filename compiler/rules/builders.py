@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.fx import Node
 
 from compiler.rules.notation import letters, line
@@ -63,13 +64,41 @@ def elementwise(node: Node, linear: str) -> Built:
 
 
 def binary_arith(node: Node, all_tensor_linear: str) -> Built:
-    """add/sub/mul/div: a Python scalar operand changes linearity (x + c is not linear in x)."""
-    scalars = [a for a in node.args[1:2] if not isinstance(a, Node)]
-    if scalars:
-        target = str(node.target)
-        lin = "one" if ("mul" in target) else "first" if ("div" in target) else "none"
-        return elementwise(node, lin)
-    return elementwise(node, all_tensor_linear)
+    """add/sub/mul/div with a Python scalar in either position: ``c - h`` and ``h + c`` add ``c``
+    once per device if ``h`` stays a pending sum, and ``c / h`` is not linear at all; only scaling
+    (``c * h``, ``h / c``) is. Linearity is decided per call, never from the op alone."""
+    scalars = [k for k, a in enumerate(node.args[:2]) if not isinstance(a, Node)]
+    if not scalars:
+        return elementwise(node, all_tensor_linear)
+    target = str(node.target)
+    if "mul" in target:
+        return elementwise(node, "one")
+    if "div" in target and scalars == [1]:
+        return elementwise(node, "first")
+    return elementwise(node, "none")
+
+
+def cast(node: Node) -> Built:
+    """_to_copy: a cast to a floating dtype commutes with a pending sum (up to rounding); a cast
+    to an integer or bool dtype truncates, so each device's part would be truncated separately."""
+    x = node.args[0]
+    assert isinstance(x, Node)
+    src, dst = x.meta["val"].dtype, node.meta["val"].dtype
+    additive = dst.is_floating_point or dst.is_complex
+    return elementwise(node, "one" if additive and src != torch.bool else "none")
+
+
+def is_zeros(n: Any) -> bool:
+    """A value known to be all zeros from how it was made (zeros, new_zeros, full(..., 0)): the
+    one base a pending sum may be added onto, since every device adding it adds nothing."""
+    if not isinstance(n, Node) or n.op != "call_function":
+        return False
+    name = str(n.target).split(".")[1] if str(n.target).startswith("aten.") else ""
+    if name in ("zeros", "zeros_like", "new_zeros"):
+        return True
+    fill = {"full": 1, "full_like": 1, "new_full": 2}.get(name)
+    value = n.args[fill] if fill is not None and len(n.args) > fill else None
+    return isinstance(value, (int, float)) and value == 0
 
 
 def reduction(node: Node, kind: str) -> Built:
@@ -213,7 +242,7 @@ def _index_tokens(
 def gather(node: Node) -> Built:
     x, idx = arg(node, 0), arg(node, 2)
     assert isinstance(x, Node) and isinstance(idx, Node)
-    dim = int(arg(node, 1)) % len(shape_of(x))
+    dim = int(arg(node, 1)) % max(len(shape_of(x)), 1)
     xt, it = _index_tokens(shape_of(x), shape_of(idx), dim, index_dim_whole=False)
     return line([xt, it], [it]), "first", [x, idx]
 
@@ -221,7 +250,7 @@ def gather(node: Node) -> Built:
 def scatter(node: Node) -> Built:
     x, idx = arg(node, 0), arg(node, 2)
     assert isinstance(x, Node) and isinstance(idx, Node)
-    dim = int(arg(node, 1)) % len(shape_of(x))
+    dim = int(arg(node, 1)) % max(len(shape_of(x)), 1)
     src = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], Node) else None
     xt, it = _index_tokens(shape_of(x), shape_of(idx), dim, index_dim_whole=True)
     operands, tokens = [x, idx], [xt, it]

@@ -1,7 +1,8 @@
 """The elementwise ATen ops, by linearity: data for the registry's broadcasting rule.
 
-Nonlinear ops need their operands reduced first; the linear ones (negation, copies, casts) let one
-pending-sum operand through.
+Nonlinear ops need their operands reduced first; the linear ones (negation, copies) let one
+pending-sum operand through. Casts are decided per call (``builders.cast``): to an integer or bool
+dtype they truncate, which does not commute with the pending sum.
 """
 
 import torch
@@ -150,7 +151,6 @@ ELEMENTWISE_NONLINEAR = [
 ELEMENTWISE_LINEAR_ONE = [
     aten.neg.default,
     aten.clone.default,
-    aten._to_copy.default,
     aten.alias.default,
     aten.detach.default,
 ]

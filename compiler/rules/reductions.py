@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.fx import Node
 
-from compiler.rules.builders import Built, arg, shape_of
+from compiler.rules.builders import Built, arg, is_zeros, shape_of
 from compiler.rules.notation import letters, line
 
 
@@ -46,7 +46,8 @@ def along(
         toks = [t for t in out if t is not None]
     else:
         toks = ins
-    linear = "one" if "cumsum" in str(node.target) else "none"
+    # only a running sum is additive (the name test once let logcumsumexp through as linear)
+    linear = "one" if str(node.target) == "aten.cumsum.default" else "none"
     return line([ins], [toks] * _outputs(node)), linear, [x]
 
 
@@ -121,6 +122,20 @@ def diagonal(node: Node) -> Built:
     ins = [f"{f}!" if k in (d1, d2) else f for k, f in enumerate(names)]
     out = [f for k, f in enumerate(names) if k not in (d1, d2)] + ["diag!"]
     return line([ins], [out]), "one", [x]
+
+
+def diagonal_scatter(node: Node) -> Built:
+    """diagonal_scatter(self, src, offset, dim1, dim2) (diagonal's backward): the diagonal's dims
+    stay whole, the rest pass through. Writing is additive in (self, src) together, or in src
+    alone when self is zeros."""
+    x, src = arg(node, 0), arg(node, 1)
+    n = len(shape_of(x))
+    d1 = int(arg(node, 3, node.kwargs.get("dim1", 0))) % n
+    d2 = int(arg(node, 4, node.kwargs.get("dim2", 1))) % n
+    names = letters(n)
+    xt = [f"{f}!" if k in (d1, d2) else f for k, f in enumerate(names)]
+    st = [f for k, f in enumerate(names) if k not in (d1, d2)] + ["diag!"]
+    return line([xt, st], [xt]), "last" if is_zeros(x) else "all", [x, src]
 
 
 def batched_matrix(node: Node) -> Built:

@@ -137,6 +137,7 @@ REGISTRY: dict[Any, Builder] = {
     aten.frexp.Tensor: st.two_outputs,
     aten.max_pool2d_with_indices_backward.default: st.pool_backward,
     aten.lift_fresh_copy.default: partial(b.elementwise, linear="one"),
+    aten._to_copy.default: b.cast,
     aten.prod.default: red.everything,
     aten.max.default: red.everything,
     aten.min.default: red.everything,
@@ -170,6 +171,10 @@ REGISTRY: dict[Any, Builder] = {
     aten.diagonal_copy.default: red.diagonal,
     aten.narrow_copy.default: st.slice_,
     aten.convolution.default: sp.convolution,
+    aten.convolution_backward.default: sp.convolution_backward,
+    aten.avg_pool2d_backward.default: sp.avg_pool_backward,
+    aten.avg_pool3d_backward.default: sp.avg_pool_backward,
+    aten.diagonal_scatter.default: red.diagonal_scatter,
     aten.avg_pool2d.default: partial(sp.pooling, spatial=2),
     aten.avg_pool3d.default: partial(sp.pooling, spatial=3),
     aten.max_pool2d_with_indices.default: partial(sp.pooling, spatial=2),
@@ -223,6 +228,9 @@ for _op in ELEMENTWISE_LINEAR_ONE:
 # kernels that reject a zero-size block on any dim (an uneven split can leave a rank with none)
 NO_EMPTY_BLOCKS = {
     aten.convolution.default,
+    aten.convolution_backward.default,
+    aten.avg_pool2d_backward.default,
+    aten.avg_pool3d_backward.default,
     aten.native_batch_norm.default,
     aten.native_group_norm.default,
     aten.avg_pool2d.default,
@@ -246,7 +254,7 @@ def rule_for(node: Node) -> tuple[Rule, list[Node]]:
         raise MissingRule(str(node.target))
     try:
         text, linear, operands = build(node)
-    except (KeyError, IndexError, TypeError, ValueError, AssertionError) as exc:
+    except (KeyError, IndexError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
         raise MissingRule(f"{node.target} ({exc})") from None
     rule = parse(text, linear)
     _check_fits(node, rule, operands)

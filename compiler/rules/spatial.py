@@ -18,6 +18,8 @@ def convolution(node: Node) -> Built:
     sp_w = [f"k{k}!" for k in range(spatial)]
     sp_out = [f"t{k}!" for k in range(spatial)]
     c, o = ("c", "o") if groups == 1 else ("c!", "o!")
+    if isinstance(bias, Node):
+        c = "c!"  # split input channels leave a pending sum, and every device would add the bias
     wt = [c, o, *sp_w] if transposed else [o, c, *sp_w]
     operands, tokens = [x, w], [[*batch, c, *sp_in], wt]
     if isinstance(bias, Node):
@@ -65,3 +67,39 @@ def group_norm(node: Node) -> Built:
             operands.append(a)
             tokens.append(["c!"])
     return line(tokens, [ins, ["n", "g!"], ["n", "g!"]]), "none", operands
+
+
+def convolution_backward(node: Node) -> Built:
+    """convolution_backward(grad_out, input, weight, ..., output_mask) -> (grad_input, grad_weight,
+    grad_bias): the forward's factors. The batch is a sum for grad_weight/grad_bias but passes
+    through to grad_input, and the output channels the reverse; a rule has one set of reductions,
+    so a factor that is summed for one requested result and kept by another stays whole."""
+    g, x, w = arg(node, 0), arg(node, 1), arg(node, 2)
+    transposed, groups, mask = bool(arg(node, 7)), int(arg(node, 9)), list(arg(node, 10))
+    spatial = len(shape_of(w)) - 2
+    batch = ["n"] if len(shape_of(x)) == spatial + 2 else []
+    sp_in, sp_w, sp_out = ([f"{p}{k}!" for k in range(spatial)] for p in ("s", "k", "t"))
+    c, o = ("c", "o") if groups == 1 else ("c!", "o!")
+    wt = [c, o, *sp_w] if transposed else [o, c, *sp_w]
+    results = [[*batch, c, *sp_in], wt, [o]]
+    asked = [r for r, m in zip(results, mask, strict=True) if m]
+    every = {t.rstrip("!") for r in asked for t in r}
+    mixed = {f for f in every if not all(f in {t.rstrip("!") for t in r} for r in asked)}
+    mixed &= {t.rstrip("!") for t in [*batch, c, o]}  # a factor some result keeps, another sums
+
+    def mark(ts: list[str]) -> list[str]:
+        return [t + "!" if t in mixed else t for t in ts]
+
+    outs = [mark(r) if m else [] for r, m in zip(results, mask, strict=True)]
+    operands = [mark([*batch, o, *sp_out]), mark([*batch, c, *sp_in]), mark(wt)]
+    return line(operands, outs), "first", [g, x, w]
+
+
+def avg_pool_backward(node: Node) -> Built:
+    """avg_pool2d/3d_backward(grad, x, ...): (batch, channel) pass through; linear in grad."""
+    grad, x = arg(node, 0), arg(node, 1)
+    n, spatial = len(shape_of(x)), len(arg(node, 2))
+    lead = [f"l{k}" for k in range(n - spatial)]
+    g = [*lead, *(f"g{k}!" for k in range(spatial))]
+    s = [*lead, *(f"s{k}!" for k in range(spatial))]
+    return line([g, s], [s]), "first", [grad, x]

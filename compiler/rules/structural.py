@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from compiler.rules.builders import Built, arg, shape_of
+from compiler.rules.builders import Built, arg, is_zeros, shape_of
 from compiler.rules.notation import letters, line
 
 
@@ -32,21 +32,27 @@ def embedding(node: Node) -> Built:
 
 
 def index_put(node: Node) -> Built:
-    """index_put(self, [index], values, accumulate): with accumulate the indexed positions are a
-    sum over the index dims (split -> pending sum); without it they must stay whole."""
+    """index_put(self, [None]*k + [index], values, accumulate) (index_select's and embedding's
+    backward): with accumulate the indexed positions are a sum over the index dims (split ->
+    pending sum); without it they must stay whole. ``values`` may stay a pending sum only when
+    ``self`` is zeros: every device adding its part onto a nonzero base would count the base once
+    per device."""
     x, indices, values = arg(node, 0), arg(node, 1), arg(node, 2)
     accumulate = bool(arg(node, 3, node.kwargs.get("accumulate", False)))
-    if len(indices) != 1 or not isinstance(indices[0], Node):
-        raise KeyError("index_put with several index tensors")
-    idx = indices[0]
+    k = len(indices) - 1
+    if not isinstance(indices[k], Node) or any(i is not None for i in indices[:k]):
+        raise KeyError("index_put with several or non-trailing index tensors")
+    idx = indices[k]
     xs, ishape = shape_of(x), shape_of(idx)
-    if not xs or shape_of(values) != (*ishape, *xs[1:]):
+    if len(xs) <= k or shape_of(values) != (*xs[:k], *ishape, *xs[k + 1 :]):
         raise KeyError("index_put with broadcast values")
-    rest = letters(len(xs) - 1, 100)
-    it = [f"i{k}" + ("" if accumulate else "!") for k in range(len(ishape))]
+    if idx.meta["val"].dtype not in (torch.int64, torch.int32):
+        raise KeyError("index_put with a boolean mask")
+    pre, post = letters(k, 100), letters(len(xs) - k - 1, 200)
+    it = [f"i{j}" + ("" if accumulate else "!") for j in range(len(ishape))]
     return (
-        line([["v!", *rest], it, [*it, *rest]], [["v!", *rest]]),
-        "last" if accumulate else "none",
+        line([[*pre, "v!", *post], it, [*pre, *it, *post]], [[*pre, "v!", *post]]),
+        "last" if accumulate and is_zeros(x) else "none",
         [x, idx, values],
     )
 
