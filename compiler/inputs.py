@@ -26,6 +26,7 @@ import torch
 
 from compiler.trace import arg_names, path_str
 from shardspec.errors import fail
+from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
 
 _STATIC = (int, float, bool, str, type(None))
@@ -155,27 +156,28 @@ def _groups(everyone: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def check_same_call(key: tuple[Any, ...], name: str, timeout: float) -> None:
-    """Every rank must call with the same signature, else the collectives would not match."""
-    mine = torch.tensor([_digest(repr(key))], dtype=torch.int64)
+def check_same_call(key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float) -> None:
+    """Every rank must call the same step with the same signature and hold the same program, else
+    the collectives would not match (a hang) or pair up with another step's (a wrong answer)."""
+    mine = torch.tensor([_digest(identity), _digest(repr(key)), program], dtype=torch.int64)
     everyone = _disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
-    if everyone:
-        raise fail(
-            f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes or "
-            f"Python scalar values differ): rank groups {_groups(everyone)}. Running would hang or "
-            "compute wrong results.",
-            "pass the same shapes and the same Python values (e.g. lr) on every rank; rank-local "
-            "data goes in through shardspec.from_local.",
-        )
-
-
-def _fingerprint(t: torch.Tensor) -> tuple[int, int]:
-    """Two exact integer sums over the tensor's bytes (order-independent, so identical everywhere)."""
-    data = t.detach().contiguous().reshape(-1)
-    words = data.view(torch.uint8) if data.numel() * data.element_size() % 4 else data.view(torch.int32)
-    w = words.to(torch.int64)
-    weights = torch.arange(w.numel(), dtype=torch.int64) % 251 + 1
-    return int(w.sum()), int((w * weights).sum())
+    if not everyone:
+        return
+    which = next(i for i in range(3) if len({int(v[i]) for v in everyone}) > 1)
+    groups = _groups([v[which : which + 1] for v in everyone])
+    what = (
+        f"ranks called different sharded steps at the same point ({name}(...) on some): rank groups {groups}",
+        f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes or Python "
+        f"scalar values differ): rank groups {groups}",
+        f"ranks compiled different programs for {name}(...) (collective sequences differ): rank groups "
+        f"{groups}",
+    )[which]
+    raise fail(
+        f"{what}. Running would hang or compute wrong results.",
+        "call the same steps in the same order on every rank, with the same shapes and Python values "
+        "(e.g. lr), and no rank-dependent branches inside the step; rank-local data goes in through "
+        "shardspec.from_local.",
+    )
 
 
 def check_same_values(tensors: list[Any], paths: tuple[str, ...], name: str, timeout: float) -> None:
@@ -185,7 +187,7 @@ def check_same_values(tensors: list[Any], paths: tuple[str, ...], name: str, tim
     plain = [(p, t) for p, t in zip(paths, tensors, strict=True) if not isinstance(t, DTensor)]
     if not plain:
         return
-    values = torch.tensor([v for _, t in plain for v in _fingerprint(t)], dtype=torch.int64)
+    values = torch.tensor([v for _, t in plain for v in fingerprint(t)], dtype=torch.int64)
     everyone = _disagreeing(values, timeout, f"the argument-value check of {name}(...)")
     if not everyone:
         return

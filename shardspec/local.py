@@ -24,6 +24,23 @@ def _path(path: tuple[Any, ...]) -> str:
     return "tree" + "".join(f"[{k!r}]" for k in path)
 
 
+def fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    """Two integer sums over a tensor's bits, weighted by position: equal on every rank that holds the
+    same bits, whatever the thread count (integer sums do not depend on order). Bitwise on purpose:
+    ``-0.0`` and ``0.0`` are different inputs to a program."""
+    if t.device.type == "meta":
+        return (0, 0)
+    data = t.detach()
+    if data.layout != torch.strided:
+        data = data.to_dense()
+    data = data.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    nbytes = data.numel() * data.element_size()
+    words = (data.view(torch.uint8) if nbytes % 4 else data.view(torch.int32)).to(torch.int64)
+    index = torch.arange(words.numel(), dtype=torch.int64)
+    weights = (index * 0x9E3779B1) % 2147483647 + 1
+    return int(words.sum()), int((words * weights).sum())
+
+
 def from_local(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """Wrap each rank's own block of every tensor in ``tree`` as a DTensor laid out by ``specs``.
 
@@ -64,8 +81,8 @@ def from_local(tree: Any, specs: Any, mesh: Mesh) -> Any:
                 f"from_local: {_path(path)} is a {type(leaf).__name__}, not a tensor.", "pass tensors only."
             )
         check_spec(None, mesh, spec, name=_path(path), ndim=leaf.dim())
-        mine.append(tuple(leaf.shape))
-    everyone = _exchange_shapes(mine, mesh)
+        mine.append((tuple(leaf.shape), str(leaf.dtype), fingerprint(leaf)))
+    everyone = _exchange(mine, mesh)
     out = []
     for i, (path, leaf, spec) in enumerate(zip(paths, leaves, leaf_specs, strict=True)):
         shape = _global_shape(i, _path(path), spec, mesh, everyone)
@@ -84,7 +101,10 @@ def from_local(tree: Any, specs: Any, mesh: Mesh) -> Any:
     return optree.tree_unflatten(treedef, out)
 
 
-def _exchange_shapes(mine: list[tuple[int, ...]], mesh: Mesh) -> list[list[tuple[int, ...]]]:
+Block = tuple[tuple[int, ...], str, tuple[int, int]]  # shape, dtype, fingerprint
+
+
+def _exchange(mine: list[Block], mesh: Mesh) -> list[list[Block]]:
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -95,23 +115,26 @@ def _exchange_shapes(mine: list[tuple[int, ...]], mesh: Mesh) -> list[list[tuple
             f"from_local: ranks passed trees with different numbers of tensors ({sorted(lengths)}).",
             "pass the same tree structure on every rank.",
         )
-    return cast(list[list[tuple[int, ...]]], everyone)
+    return cast(list[list[Block]], everyone)
 
 
-def _global_shape(
-    i: int, where: str, spec: P, mesh: Mesh, everyone: list[list[tuple[int, ...]]]
-) -> tuple[int, ...]:
-    shapes = [e[i] for e in everyone]
+def _global_shape(i: int, where: str, spec: P, mesh: Mesh, everyone: list[list[Block]]) -> tuple[int, ...]:
+    shapes = [e[i][0] for e in everyone]
+    dtypes = sorted({e[i][1] for e in everyone})
+    if len(dtypes) > 1:
+        raise fail(
+            f"from_local: {where} has dtypes {dtypes} on different ranks.", "pass one dtype on every rank."
+        )
     if len({len(s) for s in shapes}) > 1:
         raise fail(
-            f"from_local: {where} has different ranks on different ranks: {shapes}.",
-            "pass blocks of one rank.",
+            f"from_local: {where} has a different number of dims on different ranks: {shapes}.",
+            "give every rank a block with the same number of dims.",
         )
     ndim = len(shapes[0])
+    split = [spec.axes_of(d) if d < len(spec) else () for d in range(ndim)]
     shape = []
     for d in range(ndim):
-        axes = spec.axes_of(d) if d < len(spec) else ()
-        group = mesh.group_of(0, axes) if axes else [0]
+        group = mesh.group_of(0, split[d]) if split[d] else [0]
         shape.append(sum(shapes[r][d] for r in group))
     for r, s in enumerate(shapes):
         want = local_shape(shape, mesh, spec, r)
@@ -121,5 +144,19 @@ def _global_shape(
                 f"{tuple(shape)} (summed over the split axes) gives that rank {tuple(want)}.",
                 "give each rank its torch.chunk block of the global tensor (equal blocks, shorter tail "
                 "blocks last), with replicated dims the same size on every rank.",
+            )
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for r in range(len(everyone)):
+        holders.setdefault(tuple(mesh.axis_index(r, axes) for axes in split if axes), []).append(r)
+    for ranks in holders.values():
+        if len({everyone[r][i][2] for r in ranks}) > 1:
+            replicated = [a for a in mesh.axis_names if all(a not in axes for axes in split)]
+            used = [a for a in mesh.axis_names if a not in replicated]
+            raise fail(
+                f"from_local: {where} differs between ranks {ranks}, which hold the same block (spec {spec} "
+                f"replicates it over {replicated}). A loader that shards the data by global rank instead "
+                "of by the split axes gives them different data, and part of the batch would be lost.",
+                f"give the ranks along {replicated} the same block (shard the data over {used} only), "
+                "or split it over those axes too.",
             )
     return tuple(shape)

@@ -47,6 +47,21 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     other = DeviceMesh("cpu", list(reversed(range(world))), mesh_dim_names=("dp",))
     dx = distribute_tensor(full_x, other, [Replicate()])
     out["grid"] = _message(lambda: step(w, dx, 1.0))
+    # ranks call different steps with the same argument shapes
+    twice = sharded(lambda x: (x * 2).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    thrice = sharded(lambda x: (x * 3).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    twice(full_x), thrice(full_x)
+    out["steps"] = _message(lambda: twice(full_x) if rank == 0 else thrice(full_x))
+    # a replicated block that differs across the ranks holding it
+    out["replica"] = _message(lambda: from_local(torch.full((4,), float(rank)), P(), mesh))
+    # a DTensor on the first call does not exempt later plain-tensor calls from the value check
+    total = sharded(lambda x: x.sum(0), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    total(from_local(mine, P("dp"), mesh))
+    out["later_plain"] = _message(lambda: total(full_x + 100 * rank))
+    # a tensor the step closes over that differs across ranks
+    mine_const = torch.full((4,), rank + 1.0)
+    closure = sharded(lambda x: (x @ mine_const).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+    out["closure"] = _message(lambda: closure(full_x))
     # one rank alone changes a shape on a later call
     x = full_x if rank == 0 else torch.cat([full_x, full_x])
     out["shape"] = _message(lambda: step(w, x, 1.0))

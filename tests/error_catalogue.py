@@ -331,6 +331,10 @@ REAL_CASES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("scalar", "a rank-dependent Python scalar (e.g. lr)", ("different arguments", "[[0], [1]]")),
     ("grid", "a DTensor on another device grid with the same dim names", ("DeviceMesh [1, 0]", "[0, 1]")),
     ("shape", "one rank alone changes an argument's shape on a later call", ("different arguments",)),
+    ("steps", "ranks calling different steps with the same argument shapes", ("different sharded steps",)),
+    ("replica", "from_local blocks that differ across the ranks meant to hold the same block", ("[0, 1]",)),
+    ("later_plain", "plain tensors that differ across ranks after a first call with DTensors", ("x",)),
+    ("closure", "a tensor the step closes over that differs across ranks", ("closes over",)),
     ("absent", "a rank that never calls the step", ("did not complete within 2 s", "did not call the step")),
 )
 
