@@ -5,8 +5,9 @@ first use by every rank in the same order (SPMD guarantees they all get there). 
 global rank while a tuple of axes orders it by ``Mesh.axis_index`` (first axis major); where the two
 differ the blocks are permuted before sending and after receiving. Uneven shards travel padded to the
 largest block and are trimmed on arrival. ``async_op=True`` returns the output buffer at once and
-``wait`` completes it; layouts that need work after arrival (uneven, permuted) complete before
-returning.
+``wait`` completes it (all_gather, reduce_scatter, all_reduce); layouts that need work after arrival
+(uneven, permuted, ``avg``) complete before returning. Even reduce-scatters in c10d order send their
+input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-owned buffer in place.
 """
 
 from __future__ import annotations
@@ -116,17 +117,26 @@ def reduce_scatter(
     front = _front(x, dim)
     length = front.shape[0]
     block = -(-length // g.n)
-    pieces = []
-    for grank in range(g.n):
-        start, stop = chunk_bounds(length, g.n, g.pos_of_grank[grank])
-        piece = front[start:stop]
-        if stop - start < block:
-            piece = torch.cat([piece, piece.new_zeros((block - (stop - start), *piece.shape[1:]))])
-        pieces.append(piece)
+    if length == block * g.n and g.identity:
+        send = front  # blocks already in c10d order and equal: send the input as it is
+    else:
+        pieces = []
+        for grank in range(g.n):
+            start, stop = chunk_bounds(length, g.n, g.pos_of_grank[grank])
+            piece = front[start:stop]
+            if stop - start < block:
+                piece = torch.cat([piece, piece.new_zeros((block - (stop - start), *piece.shape[1:]))])
+            pieces.append(piece)
+        send = torch.cat(pieces)
     out = front.new_empty((block, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, torch.cat(pieces), op=_REDUCE[op], group=g.pg)
     start, stop = chunk_bounds(length, g.n, g.pos)
     result = out[: stop - start].movedim(0, dim)
+    work = dist.reduce_scatter_tensor(
+        out, send, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg" and send is front
+    )
+    if work is not None:
+        _pending[out.untyped_storage().data_ptr()] = work
+        return result
     return result / g.n if op == "avg" else result
 
 
@@ -134,13 +144,29 @@ def all_reduce(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, asyn
     g = _Group(mesh, axes)
     accounting.record("all_reduce", axes, x, tuple(g.by_pos), {g.rank: accounting.all_reduce_bytes(x, g.n)})
     out = x.clone(memory_format=torch.contiguous_format)
+    return _reduce_into(g, out, op, async_op)
+
+
+def all_reduce_inplace(
+    mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, async_op: bool
+) -> torch.Tensor:
+    """All-reduce into ``x`` itself (a buffer the caller owns): no output allocation, no copy."""
+    g = _Group(mesh, axes)
+    accounting.record("all_reduce", axes, x, tuple(g.by_pos), {g.rank: accounting.all_reduce_bytes(x, g.n)})
+    if x.is_contiguous():
+        return _reduce_into(g, x, op, async_op)
+    x.copy_(_reduce_into(g, x.contiguous(), op, False))  # c10d needs a dense buffer
+    return x
+
+
+def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
     if g.n == 1:
-        return out
-    work = dist.all_reduce(out, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg")
+        return buf
+    work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg")
     if work is not None:
-        _pending[out.untyped_storage().data_ptr()] = work
-        return out
-    return out / g.n if op == "avg" else out
+        _pending[buf.untyped_storage().data_ptr()] = work
+        return buf
+    return buf.div_(g.n) if op == "avg" else buf
 
 
 def all_to_all(

@@ -4,7 +4,9 @@ Schemas take keyword-only arguments, so a traced graph prints e.g.
 ``torch.ops.shardspec.all_gather.default(x, dim = 0, axis = 'tp', mesh = 'dp=2,tp=2')``. The mesh
 travels as its key (``mesh_key``) because op schemas cannot carry Python objects; ``axis`` is one
 name or several joined by commas. Every op allocates its output (no input is mutated or aliased),
-except ``wait``, which returns its input once the async collective that produces it is complete.
+except ``wait``, which returns its input once the async collective that produces it is complete, and
+``all_reduce_inplace``, which reduces a buffer the program owns in place (compiler passes use it on
+gradient buckets, saving the output allocation and copy of ``all_reduce``).
 """
 
 from __future__ import annotations
@@ -226,6 +228,31 @@ torch.fx.node._side_effectful_functions.add(torch.ops.shardspec.recv.default)
 
 _lib = torch.library.Library("shardspec", "FRAGMENT")  # type: ignore[no-untyped-call]
 _lib.define("wait(Tensor(a) x) -> Tensor(a)")  # type: ignore[no-untyped-call]
+
+
+_lib.define(  # type: ignore[no-untyped-call]
+    "all_reduce_inplace(Tensor(a!) x, *, str axis, str mesh, str op='sum', bool async_op=False) -> Tensor(a!)"
+)
+
+
+def _all_reduce_inplace_impl(
+    x: torch.Tensor, *, axis: str, mesh: str, op: str = "sum", async_op: bool = False
+) -> torch.Tensor:
+    m = mesh_of(mesh)
+    if m.simulated:
+        x.copy_(_run("all_reduce", x, mesh, axis, op=op))
+        return x
+    return distributed.all_reduce_inplace(m, _axes(axis), x, op, async_op)
+
+
+def _all_reduce_inplace_meta(
+    x: torch.Tensor, *, axis: str, mesh: str, op: str = "sum", async_op: bool = False
+) -> torch.Tensor:
+    return x
+
+
+_lib.impl("all_reduce_inplace", _all_reduce_inplace_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_lib.impl("all_reduce_inplace", _all_reduce_inplace_meta, "Meta")  # type: ignore[no-untyped-call]
 
 
 def _wait_impl(x: torch.Tensor) -> torch.Tensor:

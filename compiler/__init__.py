@@ -11,6 +11,7 @@ from typing import Any
 from compiler.constrain import constrain
 from compiler.grad import value_and_grad
 from compiler.lowered import CollectiveInfo, Cost, Lowered
+from compiler.passes import options as pass_options
 from compiler.runtime import ShardedFunction
 from shardspec.mesh import Mesh
 
@@ -25,6 +26,7 @@ def sharded(
     strict: bool = False,
     check_values: bool = True,
     timeout: float = 600.0,
+    passes: Any = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
@@ -50,10 +52,17 @@ def sharded(
     different collectives and nothing in the specs decides (otherwise ``explain()`` notes it).
     A sharded step called inside another one (same mesh) is inlined, its specs acting as
     ``constrain`` on its arguments and results.
+    ``passes`` picks the program passes run after partition (``compiler.passes``): None for the
+    defaults (views for copies, bucketed, in-place and overlapped collectives), False for none, a
+    sequence of pass names, or a mapping of overrides such as ``{"bucket_bytes": 1 << 20}``.
     """
 
+    pass_options(passes)  # a misspelled option fails here, not at the first call
+
     def wrap(f: Callable[..., Any]) -> ShardedFunction:
-        return ShardedFunction(f, mesh, in_specs, out_specs, unsupported, strict, check_values, timeout)
+        return ShardedFunction(
+            f, mesh, in_specs, out_specs, unsupported, strict, check_values, timeout, passes=passes
+        )
 
     return wrap(fn) if fn is not None else wrap
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -9,9 +10,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from collectives import accounting
+from compiler.passes.graph import LAUNCHES, aliases_input
 from shardspec.layout import local_shape
 
 if TYPE_CHECKING:
+    from compiler.partition import Inserted
     from compiler.program import Program
 
 
@@ -29,7 +33,7 @@ class CollectiveInfo:
 @dataclass(frozen=True)
 class Cost:
     comm_bytes_per_rank: float
-    collective_count: int
+    collective_count: int  # launches: a bucket of several tensors is one
     peak_memory_bytes_per_rank: int
     bytes_by_kind: dict[str, float]
 
@@ -57,12 +61,40 @@ class Lowered:
             for c in self.program.inserted
         ]
 
+    def launches(self, rank: int = 0) -> list[list[Inserted]]:
+        """The collectives as the program launches them, in order: a bucket is one launch of
+        several inserted collectives (``collectives()`` lists each tensor moved, and why)."""
+        by_node = {c.node: c for c in self.program.inserted}
+        out = []
+        for n in self.program.programs[rank].graph.nodes:
+            if n.op == "call_function" and n.target in LAUNCHES:
+                names = n.meta.get("shardspec_members", [n.name])
+                members = [by_node[m] for m in names if m in by_node]
+                if members:
+                    out.append(members)
+        seen = {id(c) for launch in out for c in launch}
+        return out + [[c] for c in self.program.inserted if id(c) not in seen]
+
     def cost(self) -> Cost:
-        records = self.collectives()
         by_kind: dict[str, float] = {}
-        for c in records:
-            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.bytes_per_rank
-        return Cost(sum(c.bytes_per_rank for c in records), len(records), self.peak_memory(), by_kind)
+        total = 0.0
+        launches = self.launches()
+        for launch in launches:
+            sent = self._launch_bytes(launch)
+            by_kind[launch[0].kind] = by_kind.get(launch[0].kind, 0.0) + sent
+            total += sent
+        return Cost(total, len(launches), self.peak_memory(), by_kind)
+
+    def _launch_bytes(self, launch: list[Inserted]) -> float:
+        """Bytes per rank of one launch, by the formula the backend applies to the flat buffer."""
+        if len(launch) == 1:
+            return launch[0].bytes_per_rank
+        first = launch[0]
+        if first.kind != "all_reduce":  # phi * S: a sum of whole bytes, exact
+            return sum(c.bytes_per_rank for c in launch)
+        numel = sum(math.prod(c.shape) for c in launch)
+        flat = torch.empty(numel, dtype=first.dtype, device="meta")
+        return accounting.all_reduce_bytes(flat, self.program.mesh.axis_size(first.axes))
 
     def peak_memory(self, rank: int = 0) -> int:
         """Largest sum of live tensor bytes over the program: arguments held throughout,
@@ -76,13 +108,21 @@ class Lowered:
         ]
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
         nodes = list(gm.graph.nodes)
+        # a view (or in-place result) adds no bytes; it keeps the buffer it aliases alive
+        root: dict[torch.fx.Node, torch.fx.Node] = {}
+        for n in nodes:
+            src = n.all_input_nodes[0] if n.all_input_nodes else None
+            alias = n.op == "call_function" and src is not None and aliases_input(n)
+            root[n] = root[src] if alias and src is not None else n
         last: dict[torch.fx.Node, int] = {}
         for i, n in enumerate(nodes):
             for a in n.all_input_nodes:
-                last[a] = i
-        outputs = set(nodes[-1].all_input_nodes)
+                last[root[a]] = i
+        outputs = {root[a] for a in nodes[-1].all_input_nodes}
 
         def size(n: torch.fx.Node) -> int:
+            if root[n] is not n:
+                return 0
             v = n.meta.get("val")
             vals = v if isinstance(v, (tuple, list)) else [v]
             return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
@@ -93,28 +133,41 @@ class Lowered:
             if n.op in ("call_function", "get_attr"):
                 live += size(n)
                 peak = max(peak, live)
-            for a in n.all_input_nodes:
+            for a in {root[a] for a in n.all_input_nodes}:
                 if last.get(a) == i and a.op != "placeholder" and a not in outputs:
                     live -= size(a)
         return peak
 
     def explain(self) -> str:
-        """Each collective: kind, axes, bytes per rank, why, and the user line behind it."""
-        records = self.collectives()
+        """Each launch: kind, axes, bytes per rank; for each tensor in it, why and the user line."""
+        launches = self.launches()
         c = self.cost()
+        moved = sum(len(launch) for launch in launches)
         lines = [
-            f"{len(records)} collective(s), {c.comm_bytes_per_rank:.0f} bytes sent per rank, "
+            f"{len(launches)} collective launch(es) moving {moved} tensor(s), "
+            f"{c.comm_bytes_per_rank:.0f} bytes sent per rank, "
             f"peak memory {c.peak_memory_bytes_per_rank} bytes per rank "
             f"on {self.program.mesh.describe()}"
         ]
-        for i, r in enumerate(records, 1):
+        for i, launch in enumerate(launches, 1):
+            r = launch[0]
             dtype = str(r.dtype).replace("torch.", "")
+            sent = self._launch_bytes(launch)
+            if len(launch) == 1:
+                lines.append(
+                    f"[{i}] {r.kind} over {','.join(r.axes)}: local {r.shape} {dtype}, {sent:.0f} B/rank"
+                )
+                lines.append(f"    why: {r.reason}")
+                lines.append(f"    at:  {r.source or '<no user line recorded>'}")
+                continue
             lines.append(
-                f"[{i}] {r.kind} over {','.join(r.axes)}: local {r.shape} {dtype}, "
-                f"{r.bytes_per_rank:.0f} B/rank"
+                f"[{i}] {r.kind} over {','.join(r.axes)}: one bucket of {len(launch)} {dtype} tensors, "
+                f"{sent:.0f} B/rank"
             )
-            lines.append(f"    why: {r.reason}")
-            lines.append(f"    at:  {r.source or '<no user line recorded>'}")
+            for m in launch:
+                lines.append(f"    - local {m.shape}")
+                lines.append(f"      why: {m.reason}")
+                lines.append(f"      at:  {m.source or '<no user line recorded>'}")
         for note in self.program.prop.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)

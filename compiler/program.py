@@ -12,12 +12,13 @@ import optree
 import torch
 from torch.fx import GraphModule
 
+from compiler import passes as program_passes
 from compiler.partition import Inserted, partition
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
 from compiler.trace import Traced, arg_names, path_str, trace
 from shardspec.errors import fail
-from shardspec.layout import check_spec, is_even
+from shardspec.layout import check_spec, is_even, local_shape
 from shardspec.mesh import Mesh
 from shardspec.placements import spec_to_placements
 from shardspec.spec import P
@@ -92,6 +93,7 @@ def compile_program(
     out_specs: Any,
     unsupported: str,
     strict: bool = False,
+    passes: Any = None,
 ) -> Program:
     names = arg_names(fn, len(args))
     if isinstance(in_specs, list) and len(in_specs) == len(args):
@@ -147,6 +149,14 @@ def compile_program(
         ]
     else:
         programs *= mesh.size
+    local_inputs = [
+        [
+            (local_shape(t.shape, mesh, s, r), t.dtype)
+            for t, s in zip(traced.inputs, tensor_specs, strict=True)
+        ]
+        for r in range(mesh.size)
+    ]
+    programs = list(program_passes.optimize_programs(programs, local_inputs, program_passes.options(passes)))
     return Program(
         traced, prop, mesh, tuple(tensor_specs), tuple(out_leaf_specs), tuple(programs), tuple(inserted)
     )

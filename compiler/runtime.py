@@ -40,9 +40,11 @@ class ShardedFunction:
         strict: bool = False,
         check_values: bool = True,
         timeout: float = 600.0,
+        passes: Any = None,
     ) -> None:
         self.strict = strict
         self.check_values, self.timeout = check_values, timeout
+        self.passes = passes
         if not isinstance(mesh, Mesh):
             raise fail(
                 f"sharded(mesh=...) needs a shardspec.Mesh, got {type(mesh).__name__}.",
@@ -82,6 +84,7 @@ class ShardedFunction:
                     self.out_specs,
                     self.unsupported,
                     self.strict,
+                    passes=self.passes,
                 )
             finally:
                 _TRACING.reset(token)

@@ -1,0 +1,138 @@
+"""Passes over the per-rank program, run after partition: each a pure function program -> program.
+
+| pass        | what it does                                                                 | default |
+|-------------|------------------------------------------------------------------------------|---------|
+| ``views``   | functionalization's ``*_copy`` ops become views (``view_copy`` -> reshape)     | on      |
+| ``bucket``  | same-kind collectives merged into flat-buffer launches of ``bucket_bytes``     | on      |
+| ``inplace`` | an all-reduce of a buffer nothing else reads reduces it in place               | on      |
+| ``overlap`` | async issue as soon as the input is ready, wait at the first use               | on      |
+
+``sharded(..., passes=...)`` picks them: ``None`` for the defaults, ``False`` or ``()`` for none, a
+sequence of names for exactly those, or a mapping of overrides (``{"overlap": False,
+"bucket_bytes": 1 << 20}``). Uneven layouts give ranks different programs; bucket sizes could then
+differ between ranks, so where the ranks' collective sequences would differ, bucketing is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from compiler.passes.bucketing import bucketing, bucketing_
+from compiler.passes.graph import LAUNCHES, annotate, copy_module
+from compiler.passes.inplace import inplace, inplace_
+from compiler.passes.overlap import overlap, overlap_
+from compiler.passes.views import dense_results, dense_results_, views, views_
+from shardspec.errors import fail
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
+NAMES = ("views", "bucket", "inplace", "overlap")
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    views: bool = True
+    bucket: bool = True
+    inplace: bool = True
+    overlap: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+def options(spec: Any) -> PassOptions:
+    """``sharded(passes=...)`` -> PassOptions (see the module doc)."""
+    if spec is None or spec is True:
+        return PassOptions()
+    if isinstance(spec, PassOptions):
+        return spec
+    if spec is False:
+        spec = ()
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - {f.name for f in fields(PassOptions)}
+        if not unknown:
+            return replace(PassOptions(), **dict(spec))
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        unknown = set(spec) - set(NAMES)
+        if not unknown:
+            return PassOptions(**{name: name in spec for name in NAMES})
+    else:
+        unknown = {spec}
+    raise fail(
+        f"sharded(passes={spec!r}) names no pass option ({sorted(map(str, unknown))}).",
+        f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
+        "names to bools (plus 'bucket_bytes').",
+    )
+
+
+Inputs = Sequence[tuple[Sequence[int], torch.dtype]]
+
+
+def optimize(gm: GraphModule, inputs: Inputs, opts: PassOptions) -> GraphModule:
+    """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes)."""
+    if not any((opts.views, opts.bucket, opts.inplace, opts.overlap)):
+        return gm
+    try:
+        annotate(gm, inputs)
+    except Exception:
+        # fake collectives give every rank block 0's shape: on a rank whose uneven block is
+        # shorter, shapes do not propagate (nor through an op without a fake kernel). Bucketing
+        # needs them; the other passes do not.
+        opts = replace(opts, bucket=False)
+    gm = copy_module(gm)  # once: the passes below rewrite this copy in place (each also exists pure)
+    if opts.views:
+        views_(gm)
+    if opts.bucket:
+        bucketing_(gm, opts.bucket_bytes)
+    if opts.inplace:
+        inplace_(gm)
+    if opts.overlap:
+        overlap_(gm)
+    if opts.views or opts.bucket:
+        dense_results_(gm)
+    gm.recompile()
+    return gm
+
+
+def optimize_programs(
+    programs: Sequence[GraphModule], inputs: Sequence[Inputs], opts: PassOptions
+) -> tuple[GraphModule, ...]:
+    """Every rank's program; one shared program when the ranks share one (even layouts)."""
+    if all(p is programs[0] for p in programs):
+        done = optimize(programs[0], inputs[0], opts)
+        return (done,) * len(programs)
+    out = [optimize(p, i, opts) for p, i in zip(programs, inputs, strict=True)]
+    if opts.bucket and len({launch_sequence(p) for p in out}) > 1:
+        opts = replace(opts, bucket=False)
+        out = [optimize(p, i, opts) for p, i in zip(programs, inputs, strict=True)]
+    return tuple(out)
+
+
+def launch_sequence(gm: GraphModule) -> tuple[tuple[Any, ...], ...]:
+    """The collectives a program launches, in order, with what each rank must agree on."""
+    return tuple(
+        (
+            str(n.target),
+            tuple(sorted((k, v) for k, v in n.kwargs.items() if k != "size")),
+            tuple(n.meta.get("shardspec_members", ())),
+        )
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in LAUNCHES
+    )
+
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "NAMES",
+    "PassOptions",
+    "bucketing",
+    "dense_results",
+    "inplace",
+    "launch_sequence",
+    "optimize",
+    "options",
+    "overlap",
+    "views",
+]

@@ -1,0 +1,157 @@
+"""Shared helpers of the program passes: copying a program, fake values, aliasing, collective nodes.
+
+Every pass works on a copy, so a pass is a pure function of its input program. Passes read shapes and
+dtypes from ``meta["val"]`` (fake tensors), propagated once by ``annotate`` and set on every node a
+pass creates by ``make``, so no pass re-runs the whole program under fake tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+aten = torch.ops.aten
+shardspec = torch.ops.shardspec
+# collectives a program launches (local_slice and matmul are shardspec ops that communicate nothing)
+LAUNCHES = {
+    shardspec.all_gather.default,
+    shardspec.reduce_scatter.default,
+    shardspec.all_reduce.default,
+    shardspec.all_reduce_inplace.default,
+    shardspec.all_to_all.default,
+    shardspec.ppermute.default,
+    shardspec.broadcast.default,
+}
+# ops that return a tensor sharing storage with an input although their schema does not say so
+_HIDDEN_ALIASES = {aten._unsafe_view.default}
+
+
+def copy_module(gm: GraphModule) -> GraphModule:
+    """A new program with the same nodes (meta included) and the same constants."""
+    graph = Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return GraphModule(gm, graph)
+
+
+def annotate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]]) -> None:
+    """Set ``meta["val"]`` on every node from the program's input shapes and dtypes."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(torch.empty(tuple(s), dtype=d)) for s, d in inputs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+def val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, Node) else n
+
+
+def make(graph: Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
+    """Insert a call at the graph's insertion point, with its fake value computed from its inputs'."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    fake = next((v for v in _vals(args) if isinstance(v, torch.Tensor)), None)
+    mode = getattr(fake, "fake_mode", None)
+    if mode is not None:
+        with mode:
+            if target is operator.getitem:
+                node.meta["val"] = val(args[0])[args[1]]
+            else:
+                node.meta["val"] = target(*_map_vals(args), **_map_vals(kwargs))
+    return node
+
+
+def _vals(args: Any) -> list[Any]:
+    if isinstance(args, (list, tuple)):
+        return [v for a in args for v in _vals(a)]
+    return [val(args)]
+
+
+def _map_vals(a: Any) -> Any:
+    if isinstance(a, Node):
+        return val(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map_vals(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _map_vals(v) for k, v in a.items()}
+    return a
+
+
+def aliases_input(n: Node) -> bool:
+    """Whether ``n``'s result may share storage with one of its inputs (a view, an in-place op)."""
+    if n.op != "call_function":
+        return n.op in ("placeholder", "get_attr")  # not the program's own buffers
+    target = n.target
+    index = 0
+    if target is operator.getitem:
+        src = n.args[0]
+        assert isinstance(src, Node)
+        if src.op != "call_function" or src.target is operator.getitem:
+            return True
+        target, index = src.target, int(n.args[1])  # type: ignore[arg-type]
+    if target in _HIDDEN_ALIASES:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return True  # unknown: assume the worst
+    returns = schema.returns
+    ret = returns[min(index, len(returns) - 1)]
+    return ret.alias_info is not None
+
+
+def is_fresh(n: Node) -> bool:
+    """A buffer the program allocated and nothing else sees: it may be reused in place."""
+    return not aliases_input(n)
+
+
+def mutates(n: Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def outputs(gm: GraphModule) -> set[Node]:
+    """The nodes a program returns."""
+    return {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
+
+
+def mesh_axis_size(kwargs: dict[str, Any]) -> int:
+    from collectives.ops import mesh_of
+
+    return mesh_of(kwargs["mesh"]).axis_size(tuple(kwargs["axis"].split(",")))
+
+
+def param_views(x: Node) -> list[Node] | None:
+    """The view ops between a program input and ``x`` (outermost last), or None when ``x`` is not
+    a view of an input: such a value is ready from the program's start."""
+    chain: list[Node] = []
+    while x.op == "call_function":
+        inputs = x.all_input_nodes
+        if len(inputs) != 1 or not aliases_input(x) or mutates(x):
+            return None
+        chain.append(x)
+        x = inputs[0]
+    return chain[::-1] if x.op == "placeholder" else None
+
+
+def lift_param_views(graph: Graph, xs: Sequence[Node]) -> Node | None:
+    """Move the views of program inputs among ``xs`` to the program start (after the inputs, before
+    everything else), so what consumes them may be issued there too; returns the last node there."""
+    anchor = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            anchor = n
+    if anchor is None:
+        return None
+    done: set[Node] = set()
+    for x in xs:
+        for v in param_views(x) or []:
+            if v not in done:
+                anchor.append(v)
+                anchor = v
+                done.add(v)
+    return anchor

@@ -1,0 +1,115 @@
+"""Views instead of copies: functionalization turns every view into its ``*_copy`` op, so a traced step
+copies each transpose, reshape and slice it takes. In the per-rank program nothing is mutated after it
+is made (collectives allocate their outputs; the one in-place collective only ever reduces a buffer no
+one else sees), so each of these can be the view it was written as.
+
+``view_copy`` becomes ``reshape`` (a view where the strides allow, a copy where the input is itself a
+non-contiguous view now), and the program's existing ``view``/``_unsafe_view`` nodes become ``reshape``
+for the same reason. Results stay copies where they are returned (a step's results must not alias its
+arguments or each other), and the rare storage-level ops (``as_strided``, dtype views) get a dense input.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from compiler.passes.graph import copy_module, mutates, outputs
+
+aten = torch.ops.aten
+# functionalization's copy variants whose view counterpart takes the same arguments
+_COPIES = (
+    "permute_copy",
+    "transpose_copy",
+    "t_copy",
+    "expand_copy",
+    "slice_copy",
+    "select_copy",
+    "unsqueeze_copy",
+    "squeeze_copy",
+    "alias_copy",
+    "diagonal_copy",
+    "narrow_copy",
+    "unbind_copy",
+    "split_copy",
+    "split_with_sizes_copy",
+    "unfold_copy",
+    "detach_copy",
+    "view_as_real_copy",
+    "view_as_complex_copy",
+)
+_RESHAPES = {aten.view_copy.default, aten.view.default, aten._unsafe_view.default}
+# ops that read their input's storage layout, not its values: they need the dense layout they had
+_STORAGE = {aten.as_strided.default, aten.as_strided_copy.default, aten.view_copy.dtype, aten.view.dtype}
+
+
+def _view_of(target: object) -> object | None:
+    if target in _RESHAPES:
+        return aten.reshape.default
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.name.startswith("aten::"):
+        return None
+    name = schema.name[len("aten::") :]
+    if name not in _COPIES:
+        return None
+    base = getattr(aten, name[: -len("_copy")], None)
+    overload = getattr(target, "_overloadname", "default")
+    return getattr(base, overload, None) if base is not None else None
+
+
+def views(gm: GraphModule) -> GraphModule:
+    """``*_copy`` ops -> their views, wherever no mutation and no returned result can observe it."""
+    gm = copy_module(gm)
+    views_(gm)
+    gm.recompile()
+    return gm
+
+
+def views_(gm: GraphModule) -> None:
+    """``views`` in place (the pipeline copies the program once, not once per pass)."""
+    if any(mutates(n) for n in gm.graph.nodes):
+        return  # views are only safe in a program that mutates nothing
+    results = outputs(gm)
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in _STORAGE:
+            src = n.args[0]
+            assert isinstance(src, Node)
+            with gm.graph.inserting_before(n):
+                dense = gm.graph.call_function(
+                    aten.clone.default, (src,), {"memory_format": torch.contiguous_format}
+                )
+            dense.meta = dict(src.meta)
+            n.replace_input_with(src, dense)
+            continue
+        view = _view_of(n.target)
+        if view is None or n in results or any(u in results for u in n.users):
+            continue  # results of multi-output views are getitem users
+        n.target = view
+
+
+def dense_results(gm: GraphModule) -> GraphModule:
+    """Results computed from views may be strided: return them contiguous (a no-op where they are)."""
+    gm = copy_module(gm)
+    dense_results_(gm)
+    gm.recompile()
+    return gm
+
+
+def dense_results_(gm: GraphModule) -> None:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    done: dict[Node, Node] = {}
+
+    def dense(a: object) -> object:
+        if not isinstance(a, Node) or a.op != "call_function":
+            return a
+        if a not in done:
+            with gm.graph.inserting_before(out):
+                done[a] = gm.graph.call_function(aten.contiguous.default, (a,))
+            done[a].meta = dict(a.meta)
+        return done[a]
+
+    out.args = tuple(
+        tuple(dense(a) for a in arg) if isinstance(arg, (tuple, list)) else dense(arg) for arg in out.args
+    )
