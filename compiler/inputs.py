@@ -16,8 +16,6 @@ differently initialised replicated parameters.
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import struct
 from typing import Any, cast
 
@@ -25,6 +23,7 @@ import optree
 import torch
 
 from compiler.trace import arg_names, path_str
+from shardspec.agree import digest, disagreeing, groups
 from shardspec.errors import fail
 from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
@@ -119,58 +118,21 @@ def check_dtensor_mesh(x: Any, mesh: Mesh, path: str) -> None:
         )
 
 
-def _digest(text: str) -> int:
-    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-
-
-def _wait(work: Any, timeout: float, what: str) -> None:
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise fail(
-            f"{what} did not complete within {timeout:g} s ({exc}). Some rank did not call the step, "
-            "is still busy with earlier work, or has died.",
-            "make every rank of the mesh call the step the same number of times, with the same "
-            "arguments' shapes (raise sharded(..., timeout=...) for slow ranks).",
-        ) from None
-
-
-def _disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
-    """Every rank's ``values`` (an int64 vector), or None when every rank holds the same."""
-    import torch.distributed as dist
-
-    both = torch.cat([values, -values])
-    _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout, what)
-    n = values.numel()
-    if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
-        return None
-    everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
-    _wait(dist.all_gather(everyone, values, async_op=True), timeout, what)
-    return everyone
-
-
-def _groups(everyone: list[torch.Tensor]) -> list[list[int]]:
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for r, v in enumerate(everyone):
-        groups.setdefault(tuple(v.tolist()), []).append(r)
-    return list(groups.values())
-
-
 def check_same_call(key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float) -> None:
     """Every rank must call the same step with the same signature and hold the same program, else
     the collectives would not match (a hang) or pair up with another step's (a wrong answer)."""
-    mine = torch.tensor([_digest(identity), _digest(repr(key)), program], dtype=torch.int64)
-    everyone = _disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
+    mine = torch.tensor([digest(identity), digest(repr(key)), program], dtype=torch.int64)
+    everyone = disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
     if not everyone:
         return
     which = next(i for i in range(3) if len({int(v[i]) for v in everyone}) > 1)
-    groups = _groups([v[which : which + 1] for v in everyone])
+    ranks = groups([v[which : which + 1] for v in everyone])
     what = (
-        f"ranks called different sharded steps at the same point ({name}(...) on some): rank groups {groups}",
+        f"ranks called different sharded steps at the same point ({name}(...) on some): rank groups {ranks}",
         f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes or Python "
-        f"scalar values differ): rank groups {groups}",
+        f"scalar values differ): rank groups {ranks}",
         f"ranks compiled different programs for {name}(...) (collective sequences differ): rank groups "
-        f"{groups}",
+        f"{ranks}",
     )[which]
     raise fail(
         f"{what}. Running would hang or compute wrong results.",
@@ -188,7 +150,7 @@ def check_same_values(tensors: list[Any], paths: tuple[str, ...], name: str, tim
     if not plain:
         return
     values = torch.tensor([v for _, t in plain for v in fingerprint(t)], dtype=torch.int64)
-    everyone = _disagreeing(values, timeout, f"the argument-value check of {name}(...)")
+    everyone = disagreeing(values, timeout, f"the argument-value check of {name}(...)")
     if not everyone:
         return
     differ = [
@@ -198,7 +160,7 @@ def check_same_values(tensors: list[Any], paths: tuple[str, ...], name: str, tim
     ]
     raise fail(
         f"plain-tensor arguments of {name}(...) hold different values on different ranks: "
-        f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} (rank groups {_groups(everyone)}). "
+        f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} (rank groups {groups(everyone)}). "
         "On a real mesh a plain tensor means the full global value, the same on every rank; each rank "
         "passing its own slice of the batch (the DDP habit) or initialising replicated parameters with its "
         "own seed would train on wrong data.",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,16 +29,16 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from shardspec.errors import fail
+from shardspec.agree import digest, disagreeing, groups
+from shardspec.checkpoint_files import META, PREFIX, TMP, publish, recover, resolve, write_atomic
+from shardspec.errors import ShardingError, fail
 from shardspec.layout import local_shape
+from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
 from shardspec.placements import spec_to_placements
 from shardspec.spec import P
 
-META = "shardspec.json"
-LATEST = "latest"
 FORMAT = "shardspec-checkpoint/1"
-_PREFIX, _TMP, _OLD = "step-", ".tmp-step-", ".old-step-"
 _SCALARS = (bool, int, float, str)
 
 __all__ = ["Restored", "find", "load", "save"]
@@ -73,27 +72,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (best effort: not every platform opens directories)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write a whole file or nothing: a reader sees the old content or the new, never a torn one."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns on every single-process call; here that mode is intended, not a misconfiguration."""
@@ -109,6 +87,45 @@ def _agree(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _all_agree(
+    what: str, error: ShardingError | None, text: str, values: list[tuple[str, Any]], timeout: float
+) -> None:
+    """Every rank raises the same way, or none does: an error on one rank, a different tree or step,
+    or plain tensors whose values differ would otherwise hang DCP's collectives or lose data."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return
+    prints = [fingerprint(v) if isinstance(v, torch.Tensor) else v for _, v in values]
+    mine = torch.tensor([int(error is not None), digest(text), digest(repr(prints))], dtype=torch.int64)
+    everyone = disagreeing(mine, timeout, f"checkpoint.{what} (every rank must call it)")
+    if everyone is None:
+        return
+    if error is not None:
+        raise error
+    failed = [r for r, v in enumerate(everyone) if int(v[0])]
+    if failed:
+        raise fail(
+            f"checkpoint.{what}: rank(s) {failed} rejected their arguments (their error says why); "
+            "nothing was written.",
+            "give every rank the same arguments.",
+        )
+    if len({int(v[1]) for v in everyone}) > 1:
+        raise fail(
+            f"checkpoint.{what}: ranks passed different steps, paths, trees, shapes or dtypes: rank groups "
+            f"{groups([v[1:2] for v in everyone])}; nothing was written or read.",
+            "call it with the same arguments on every rank (every rank calls save and load).",
+        )
+    paths = [p for p, _ in values]
+    listed = ", ".join(paths[:5]) + (" ..." if len(paths) > 5 else "")
+    raise fail(
+        f"checkpoint.{what}: plain tensors or scalars differ across ranks (rank groups "
+        f"{groups([v[2:3] for v in everyone])}) among {listed}; "
+        "a plain tensor is one global value, so only one rank's copy could be kept.",
+        "save DTensors for per-rank data (shardspec.from_local), or pass identical values on every rank.",
+    )
 
 
 def _describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
@@ -139,7 +156,9 @@ def _describe_leaf(path: str, leaf: Any) -> dict[str, Any]:
     }
 
 
-def save(path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None = 2) -> Path:
+def save(
+    path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None = 2, timeout: float = 600.0
+) -> Path:
     """Save ``tree`` as checkpoint ``step`` under the root directory ``path``; return its directory.
 
     Every rank calls this in real mode (DCP writes each rank's shards once, replicated ones once in
@@ -160,23 +179,29 @@ def save(path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None
         )
     root = Path(path)
     paths, leaves, _ = _flatten(tree)
-    records = [_describe_leaf(p, x) for p, x in zip(paths, leaves)]
-    rank = _rank()
-    name = f"{_PREFIX}{step:08d}"
-    tmp = root / f"{_TMP}{step:08d}"
-
+    records: list[dict[str, Any]] = []
     error = None
+    try:
+        records = [_describe_leaf(p, x) for p, x in zip(paths, leaves)]
+    except ShardingError as exc:
+        error = exc
+    plain = [(p, x) for p, x in zip(paths, leaves) if not isinstance(x, DTensor)]
+    _all_agree("save", error, repr((str(root.resolve()), step, records)), plain, timeout)
+    rank = _rank()
+    name = f"{PREFIX}{step:08d}"
+    tmp = root / f"{TMP}{step:08d}"
+
+    problem = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            for stale in [*root.glob(_TMP + "*"), *root.glob(_OLD + "*")]:
-                shutil.rmtree(stale)  # left by a crashed save; never loadable
+            recover(root)
             tmp.mkdir()
         except OSError as exc:
-            error = f"cannot prepare {tmp}: {exc}"
-    error = _agree(error)
-    if error is not None:
-        raise fail(f"checkpoint.save: {error}.", f"make {root} a writable directory.")
+            problem = f"cannot prepare {tmp}: {exc}"
+    problem = _agree(problem)
+    if problem is not None:
+        raise fail(f"checkpoint.save: {problem}.", f"make {root} a writable directory.")
 
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     state = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
@@ -192,31 +217,14 @@ def save(path: str | os.PathLike[str], tree: Any, *, step: int, keep: int | None
                 "leaves": records,
                 "complete": True,
             }
-            _write_atomic(tmp / META, json.dumps(meta, indent=1))
-            _publish(root, tmp, name, keep)
+            write_atomic(tmp / META, json.dumps(meta, indent=1))
+            publish(root, tmp, name, keep)
         except OSError as exc:
-            error = f"cannot publish {tmp} as {root / name}: {exc}"
-    error = _agree(error)  # no rank returns before the checkpoint is published
-    if error is not None:
-        raise fail(f"checkpoint.save: {error}.", f"check free space and permissions under {root}.")
+            problem = f"cannot publish {tmp} as {root / name}: {exc}"
+    problem = _agree(problem)  # no rank returns before the checkpoint is published
+    if problem is not None:
+        raise fail(f"checkpoint.save: {problem}.", f"check free space and permissions under {root}.")
     return root / name
-
-
-def _publish(root: Path, tmp: Path, name: str, keep: int | None) -> None:
-    final = root / name
-    if final.exists():  # saving the same step again: the new data wins
-        trash = root / f"{_OLD}{name.removeprefix(_PREFIX)}"
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / LATEST, name + "\n")
-    if keep is not None:
-        others = sorted((d for d in _complete_dirs(root) if d != final), key=_step_of, reverse=True)
-        for old in others[keep - 1 :]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -235,56 +243,9 @@ def _restore_rng(ckpt: Path) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _step_of(d: Path) -> int:
-    return int(d.name.removeprefix(_PREFIX))
-
-
-def _missing(d: Path) -> list[str]:
-    """What a complete checkpoint has that ``d`` lacks (empty when complete)."""
-    missing = [f for f in (".metadata", META) if not (d / f).is_file()]
-    if not missing:
-        try:
-            if json.loads((d / META).read_text()).get("complete") is not True:
-                missing.append("the completion mark in " + META)
-        except (OSError, ValueError):
-            missing.append("a readable " + META)
-    return missing
-
-
-def _complete_dirs(root: Path) -> list[Path]:
-    return [
-        d
-        for d in root.glob(_PREFIX + "*")
-        if d.is_dir() and d.name.removeprefix(_PREFIX).isdigit() and not _missing(d)
-    ]
-
-
-def _resolve(path: Path) -> tuple[Path | None, str | None, str]:
-    """(checkpoint dir, None, "") or (None, what is wrong, kind) with kind "missing"/"incomplete"."""
-    if not path.is_dir():
-        return None, f"no checkpoint at {path}: the directory does not exist", "missing"
-    if (path / META).exists() or (path / ".metadata").exists() or path.name.startswith(_TMP):
-        missing = _missing(path)
-        if not missing:
-            return path, None, ""
-        return None, f"checkpoint {path} is incomplete: it lacks {', '.join(missing)}", "incomplete"
-    pointer = path / LATEST
-    if pointer.is_file():
-        named = path / pointer.read_text().strip()
-        if named.is_dir() and not _missing(named):
-            return named, None, ""
-    complete = _complete_dirs(path)
-    if complete:
-        return max(complete, key=_step_of), None, ""
-    partial = sorted(d.name for d in path.iterdir() if d.name.startswith((_TMP, _PREFIX)))
-    if partial:
-        return None, f"{path} holds only incomplete checkpoints ({', '.join(partial)})", "incomplete"
-    return None, f"no checkpoint at {path}: no {_PREFIX}N directory and no {LATEST} file", "missing"
-
-
 def find(path: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``path`` (or ``path`` itself), or None: for resuming."""
-    found, _, _ = _resolve(Path(path))
+    found, _, _ = resolve(Path(path))
     return found
 
 
@@ -295,6 +256,7 @@ def load(
     mesh: Mesh | None = None,
     specs: Any = None,
     restore_rng: bool = False,
+    timeout: float = 600.0,
 ) -> Restored:
     """Load a checkpoint into the structure of ``like``; return ``Restored(tree, step)``.
 
@@ -305,7 +267,7 @@ def load(
     checkpoint: DCP reads each rank's block from the saved shards. With a simulated mesh or none,
     the result is global tensors. Python scalar leaves come back as saved.
     """
-    ckpt, error, kind = _agree(_resolve(Path(path)))
+    ckpt, error, kind = _agree(resolve(Path(path)))
     if ckpt is None:
         fix = (
             "save a checkpoint there first, or pass the directory given to checkpoint.save"
@@ -317,9 +279,19 @@ def load(
     meta = json.loads((ckpt / META).read_text())
     paths, leaves, treespec = _flatten(like)
     saved = {r["path"]: r for r in meta["leaves"]}
-    _check_structure(f"{ckpt} (step {meta['step']})", paths, leaves, saved)
     real = mesh is not None and not mesh.simulated
-    leaf_specs = _leaf_specs(specs, like, paths) if real else [P()] * len(paths)
+    error = None
+    leaf_specs: list[Any] = [P()] * len(paths)
+    try:
+        _check_structure(f"{ckpt} (step {meta['step']})", paths, leaves, saved)
+        leaf_specs = _leaf_specs(specs, like, paths)
+    except ShardingError as exc:
+        error = exc
+    shapes = [
+        (p, tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
+        for p, x in zip(paths, leaves)
+    ]
+    _all_agree("load", error, repr((shapes, leaf_specs)), [], timeout)
     state: dict[str, Any] = {}
     for p, spec in zip(paths, leaf_specs):
         rec = saved[p]
@@ -358,7 +330,7 @@ def _leaf_specs(specs: Any, like: Any, paths: list[str]) -> list[Any]:
         raise fail(
             f"checkpoint.load: specs do not match the structure of like: specs "
             f"{optree.tree_structure(specs, none_is_leaf=False)} vs like "
-            f"{optree.tree_structure(like, none_is_leaf=False)} ({exc}).",
+            f"{optree.tree_structure(like, none_is_leaf=False)} ({str(exc).split('; dict:')[0][:300]}).",
             "give specs the same tree as like, or a prefix of it (one P covers a whole subtree).",
         ) from None
 

@@ -86,3 +86,30 @@ def train_gpt_rank(rank: int, world: int, argv: list[str]) -> None:
     from examples import train_gpt
 
     train_gpt.main(argv)
+
+
+def disagreements(rank: int, world: int, root: str) -> dict[str, str]:
+    """Ranks that pass different things to save/load get the same ShardingError, never a hang."""
+    from shardspec import ShardingError
+
+    def message(fn: Any) -> str:
+        try:
+            fn()
+        except ShardingError as exc:
+            return str(exc)
+        return "no error"
+
+    same = {"w": torch.ones(4)}
+    out = {
+        "step": message(lambda: checkpoint.save(root, same, step=1 + rank)),
+        "shape": message(lambda: checkpoint.save(root, {"w": torch.ones(4 + rank)}, step=1)),
+        "keys": message(
+            lambda: checkpoint.save(root, {"w": torch.ones(4), **({"y": 1} if rank else {})}, step=1)
+        ),
+        "values": message(lambda: checkpoint.save(root, {"w": torch.full((4,), float(rank))}, step=1)),
+    }
+    checkpoint.save(root, same, step=2)
+    like = {"w": torch.empty(4)} if rank == 0 else {"v": torch.empty(4)}
+    out["load"] = message(lambda: checkpoint.load(root, like=like))
+    out["loaded"] = str(checkpoint.load(root, like=same).step)
+    return out

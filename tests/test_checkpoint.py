@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from shardspec import Mesh, ShardingError, checkpoint
+from shardspec import Mesh, P, ShardingError, checkpoint
 from shardspec.testing import run_distributed
 from tests import _ckpt_fns as fns
 
@@ -213,3 +213,44 @@ def test_save_errors(tmp_path):
     assert "step must be a non-negative int" in _error(lambda: checkpoint.save(tmp_path, {}, step=-1))
     assert "keep >= 1" in _error(lambda: checkpoint.save(tmp_path, {}, step=1, keep=0))
     assert not list(Path(tmp_path).iterdir())  # nothing written for a rejected save
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_disagree_get_the_same_error_and_nothing_is_written(tmp_path):
+    results = run_distributed(fns.disagreements, 2, args=(str(tmp_path),), timeout=120)
+    for r in results:
+        for case in ("step", "shape", "keys"):
+            assert "ranks passed different steps, paths, trees, shapes or dtypes" in r[case], r[case]
+        assert "plain tensors or scalars differ across ranks" in r["values"] and "w" in r["values"]
+        assert r["loaded"] == "2"
+    assert "rank(s) [1] rejected their arguments" in results[0]["load"], results[0]["load"]
+    assert "have different trees; in like but not in the checkpoint: tree['v']" in results[1]["load"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+
+
+def test_a_resave_that_crashes_between_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    import shardspec.checkpoint_files as files
+
+    checkpoint.save(tmp_path, _tree(1.0), step=1, keep=1)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        if str(dst).endswith(".old-step-00000001"):
+            raise OSError("killed between the renames")
+
+    with monkeypatch.context() as m:
+        m.setattr(files.os, "rename", rename)
+        with pytest.raises(ShardingError):
+            checkpoint.save(tmp_path, _tree(2.0), step=1, keep=1)
+    # the old step 1 is complete, only moved aside: it still loads, and the next save restores it
+    _assert_same(checkpoint.load(tmp_path, like=_tree()).tree, _tree(1.0))
+    checkpoint.save(tmp_path, _tree(3.0), step=2, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+
+
+def test_spec_mismatch_message_has_no_values(tmp_path):
+    checkpoint.save(tmp_path, {"w": torch.randn(30, 30)}, step=1)
+    with pytest.raises(ShardingError) as info:
+        checkpoint.load(tmp_path, like={"w": torch.randn(30, 30)}, specs={"v": P()})
+    assert "tensor(" not in str(info.value) and "specs do not match" in str(info.value)

@@ -1,0 +1,122 @@
+"""The on-disk layout of a checkpoint root and its crash-safe publication.
+
+    DIR/step-00000040/   a complete checkpoint: DCP files, shardspec.json, rng-<rank>.pt
+    DIR/latest           the name of the newest published checkpoint (replaced atomically)
+    DIR/.tmp-step-N/     a save in progress, or one that crashed (never loaded)
+    DIR/.old-step-N/     a complete checkpoint moved aside while the same step is saved again
+
+Only complete directories are ever loaded; a save writes aside and publishes by rename, so a crash at
+any moment leaves the previous checkpoint as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+META = "shardspec.json"
+LATEST = "latest"
+PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (best effort: not every platform opens directories)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a whole file or nothing: a reader sees the old content or the new, never a torn one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def recover(root: Path) -> None:
+    """Clear what crashed saves left: a complete checkpoint moved aside by a re-save of its step goes
+    back in place when its replacement never landed; everything else was never loadable."""
+    for old in root.glob(OLD + "*"):
+        final = root / (PREFIX + old.name.removeprefix(OLD))
+        if not final.exists() and not _missing(old):
+            os.rename(old, final)
+        else:
+            shutil.rmtree(old)
+    for stale in root.glob(TMP + "*"):
+        shutil.rmtree(stale)
+
+
+def publish(root: Path, tmp: Path, name: str, keep: int | None) -> None:
+    final = root / name
+    if final.exists():  # saving the same step again: the new data wins
+        trash = root / f"{OLD}{name.removeprefix(PREFIX)}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    write_atomic(root / LATEST, name + "\n")
+    if keep is not None:
+        others = sorted((d for d in _complete_dirs(root) if d != final), key=_step_of, reverse=True)
+        for old in others[keep - 1 :]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(d: Path) -> int:
+    return int(d.name.removeprefix(PREFIX).removeprefix(OLD))
+
+
+def _missing(d: Path) -> list[str]:
+    """What a complete checkpoint has that ``d`` lacks (empty when complete)."""
+    missing = [f for f in (".metadata", META) if not (d / f).is_file()]
+    if not missing:
+        try:
+            if json.loads((d / META).read_text()).get("complete") is not True:
+                missing.append("the completion mark in " + META)
+        except (OSError, ValueError):
+            missing.append("a readable " + META)
+    return missing
+
+
+def _complete_dirs(root: Path) -> list[Path]:
+    return [
+        d
+        for d in root.glob(PREFIX + "*")
+        if d.is_dir() and d.name.removeprefix(PREFIX).isdigit() and not _missing(d)
+    ]
+
+
+def resolve(path: Path) -> tuple[Path | None, str | None, str]:
+    """(checkpoint dir, None, "") or (None, what is wrong, kind) with kind "missing"/"incomplete"."""
+    if not path.is_dir():
+        return None, f"no checkpoint at {path}: the directory does not exist", "missing"
+    if (path / META).exists() or (path / ".metadata").exists() or path.name.startswith(TMP):
+        missing = _missing(path)
+        if not missing:
+            return path, None, ""
+        return None, f"checkpoint {path} is incomplete: it lacks {', '.join(missing)}", "incomplete"
+    pointer = path / LATEST
+    if pointer.is_file():
+        named = path / pointer.read_text().strip()
+        if named.is_dir() and not _missing(named):
+            return named, None, ""
+    complete = _complete_dirs(path)
+    aside = [d for d in path.glob(OLD + "*") if not _missing(d)]  # a re-save crashed mid-rename
+    complete += [d for d in aside if not (path / (PREFIX + d.name.removeprefix(OLD))).exists()]
+    if complete:
+        return max(complete, key=_step_of), None, ""
+    partial = sorted(d.name for d in path.iterdir() if d.name.startswith((TMP, PREFIX)))
+    if partial:
+        return None, f"{path} holds only incomplete checkpoints ({', '.join(partial)})", "incomplete"
+    return None, f"no checkpoint at {path}: no {PREFIX}N directory and no {LATEST} file", "missing"
