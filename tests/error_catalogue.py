@@ -335,7 +335,7 @@ REAL_CASES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("replica", "from_local blocks that differ across the ranks meant to hold the same block", ("[0, 1]",)),
     ("later_plain", "plain tensors that differ across ranks after a first call with DTensors", ("x",)),
     ("closure", "a tensor the step closes over that differs across ranks", ("closes over",)),
-    ("absent", "a rank that never calls the step", ("did not complete within 2 s", "did not call the step")),
+    ("absent", "a rank that never calls the step", ("did not complete within 2 s", "did not call it")),
 )
 
 

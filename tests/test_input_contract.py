@@ -150,4 +150,4 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
         assert "hold different values on different ranks: x" in r["later_plain"], r["later_plain"]
         assert "a tensor the step closes over" in r["closure"], r["closure"]
         if rank == 0:
-            assert "did not complete within 2 s" in r["absent"] and "did not call the step" in r["absent"]
+            assert "did not complete within 2 s" in r["absent"] and "did not call it" in r["absent"]
