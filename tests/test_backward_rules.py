@@ -168,3 +168,24 @@ def test_constant_meets_a_split_contraction(fn: Any, axes: dict[str, int], xspec
     got, want = sg(x, w), vg(x, w)
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_index_add_onto_a_nonzero_base_with_a_split_index() -> None:
+    """index_put(accumulate) onto a nonzero base with the index split once added the base per device."""
+
+    def fn(v: torch.Tensor, base: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return base.index_add(0, i, v.sin()).square().sum()
+
+    v, base = _gen(6, 3), _gen(4, 3)
+    _check(fn, (v, base, INDEX % 4), (P("dp"), P(), P("dp")), MESHES["dp2"])
+
+
+def test_conv_bias_gradient_with_split_input_channels() -> None:
+    """convolution_backward asked for grad_bias alone does not depend on the input channels: a
+    split there once summed one full copy per device."""
+
+    def fn(b: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, w, b, padding=1).square().sum()
+
+    args = (_gen(5), _gen(5, 4, 3, 3), _gen(4, 4, 5, 5))
+    _check(fn, args, (P(), P(None, "tp"), P("dp", "tp")), MESHES["dp2xtp2"])

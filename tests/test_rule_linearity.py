@@ -183,7 +183,7 @@ def _hand() -> dict[Any, list[Call]]:
     g4, w4 = _r(2, 5, 4, 4), _r(5, 3, 3, 3)
     h[aten.convolution_backward.default] = [
         ((g4, x4, w4, [5], *conv, m), {})
-        for m in ([True, True, True], [False, True, False], [True, False, False])
+        for m in ([True, True, True], [False, True, False], [True, False, False], [False, False, True])
     ]
     pool = ([2, 2], [2, 2], [0, 0], False, True, None)
     h[aten.avg_pool2d_backward.default] = [((_r(2, 3, 2, 2), x4, *pool), {})]
@@ -266,8 +266,21 @@ def _close(got: Any, a: Any, b: Any, eps: float) -> bool:
     return True
 
 
+def _call(node: Node, env: dict[Node, Any], sub: dict[Node, Any]) -> Any:
+    """``node``'s op on the recorded values, with ``sub`` replacing some operands."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: sub.get(n, env[n]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _eps(values: list[torch.Tensor]) -> float:
+    return max((torch.finfo(v.dtype).eps for v in values if v.is_floating_point()), default=0.0)
+
+
 def false_claims(node: Node, env: dict[Node, Any]) -> list[str]:
-    """The operand groups the rule of ``node`` lets stay pending for which the op is not additive."""
+    """The operand groups the rule of ``node`` lets stay pending for which the op is not additive,
+    and the reductions (factors summed away) for which the op is not a sum over blocks."""
     try:
         rule, operands = rule_for(node)
     except MissingRule:
@@ -281,17 +294,24 @@ def false_claims(node: Node, env: dict[Node, Any]) -> list[str]:
             o: torch.randn_like(env[o]) if env[o].is_floating_point() else torch.randint_like(env[o], 0, 4)
             for o in moved
         }
-
-        def run(sub: dict[Node, Any]) -> Any:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: sub.get(n, env[n]))
-            return node.target(*args, **kwargs)  # type: ignore[operator]
-
-        eps = max((torch.finfo(env[o].dtype).eps for o in moved if env[o].is_floating_point()), default=0.0)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            both = run({o: env[o] + other[o] for o in moved})
-            if not _close(both, run({}), run(other), eps):
-                bad.append(f"{node.target} rule {rule.text!r} linear={rule.linear} operands {group}")
+        both = _call(node, env, {o: env[o] + other[o] for o in moved})
+        if not _close(both, _call(node, env, {}), _call(node, env, other), _eps([env[o] for o in moved])):
+            bad.append(f"{node.target} rule {rule.text!r} linear={rule.linear} operands {group}")
+    for f in sorted(rule.reductions - rule.replicated):
+        cuts = {(i, d) for i, dims in enumerate(rule.operands) for d, t in enumerate(dims) if f in t}
+        if any(len(rule.operands[i][d]) > 1 or operands.count(operands[i]) > 1 for i, d in cuts):
+            continue  # merged dims and repeated operands: not a plain block split
+        halves: list[dict[Node, Any]] = [{}, {}]
+        for i, d in cuts:
+            v = env[operands[i]]
+            k = v.shape[d] // 2
+            halves[0][operands[i]], halves[1][operands[i]] = v.narrow(d, 0, k), v.narrow(d, k, v.shape[d] - k)
+        try:
+            parts = [_call(node, env, h) for h in halves]
+        except Exception:
+            continue  # a kernel that rejects the block shapes
+        if not _close(_call(node, env, {}), *parts, _eps([env[o] for o in operands])):
+            bad.append(f"{node.target} rule {rule.text!r}: a split {f} is not a sum over its blocks")
     return bad
 
 

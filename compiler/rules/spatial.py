@@ -73,7 +73,7 @@ def convolution_backward(node: Node) -> Built:
     """convolution_backward(grad_out, input, weight, ..., output_mask) -> (grad_input, grad_weight,
     grad_bias): the forward's factors. The batch is a sum for grad_weight/grad_bias but passes
     through to grad_input, and the output channels the reverse; a rule has one set of reductions,
-    so a factor that is summed for one requested result and kept by another stays whole."""
+    so a factor that is not kept by every requested result, or summed by every one, stays whole."""
     g, x, w = arg(node, 0), arg(node, 1), arg(node, 2)
     transposed, groups, mask = bool(arg(node, 7)), int(arg(node, 9)), list(arg(node, 10))
     spatial = len(shape_of(w)) - 2
@@ -82,10 +82,13 @@ def convolution_backward(node: Node) -> Built:
     c, o = ("c", "o") if groups == 1 else ("c!", "o!")
     wt = [c, o, *sp_w] if transposed else [o, c, *sp_w]
     results = [[*batch, c, *sp_in], wt, [o]]
-    asked = [r for r, m in zip(results, mask, strict=True) if m]
-    every = {t.rstrip("!") for r in asked for t in r}
-    mixed = {f for f in every if not all(f in {t.rstrip("!") for t in r} for r in asked)}
-    mixed &= {t.rstrip("!") for t in [*batch, c, o]}  # a factor some result keeps, another sums
+    sums = [{"o"}, {"n"}, {"n"}]  # what each result adds up over
+    asked = [({t.rstrip("!") for t in r}, s) for r, s, m in zip(results, sums, mask, strict=True) if m]
+    # a factor must be kept by every asked result or summed by every one; a result that neither
+    # keeps nor sums it (grad_bias and the input channels) would be counted once per device
+    mixed = {
+        f for f in ("n", "c", "o") if not all(f in k for k, _ in asked) and not all(f in s for _, s in asked)
+    }
 
     def mark(ts: list[str]) -> list[str]:
         return [t + "!" if t in mixed else t for t in ts]

@@ -33,10 +33,9 @@ def embedding(node: Node) -> Built:
 
 def index_put(node: Node) -> Built:
     """index_put(self, [None]*k + [index], values, accumulate) (index_select's and embedding's
-    backward): with accumulate the indexed positions are a sum over the index dims (split ->
-    pending sum); without it they must stay whole. ``values`` may stay a pending sum only when
-    ``self`` is zeros: every device adding its part onto a nonzero base would count the base once
-    per device."""
+    backward): with accumulate onto zeros the indexed positions are a sum over the index dims (split
+    -> pending sum) and ``values`` may stay a pending sum; onto a nonzero base every device would add
+    the base once, and without accumulate positions must stay whole, so then the index dims do."""
     x, indices, values = arg(node, 0), arg(node, 1), arg(node, 2)
     accumulate = bool(arg(node, 3, node.kwargs.get("accumulate", False)))
     k = len(indices) - 1
@@ -49,10 +48,11 @@ def index_put(node: Node) -> Built:
     if idx.meta["val"].dtype not in (torch.int64, torch.int32):
         raise KeyError("index_put with a boolean mask")
     pre, post = letters(k, 100), letters(len(xs) - k - 1, 200)
-    it = [f"i{j}" + ("" if accumulate else "!") for j in range(len(ishape))]
+    base = is_zeros(x)  # a split index sums blocks: onto a nonzero base each device would add it
+    it = [f"i{j}" + ("" if accumulate and base else "!") for j in range(len(ishape))]
     return (
         line([[*pre, "v!", *post], it, [*pre, *it, *post]], [[*pre, "v!", *post]]),
-        "last" if accumulate and is_zeros(x) else "none",
+        "last" if accumulate and base else "none",
         [x, idx, values],
     )
 
