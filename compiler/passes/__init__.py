@@ -103,11 +103,10 @@ def optimize_programs(
     if all(p is programs[0] for p in programs):
         done = optimize(programs[0], inputs[0], opts)
         return (done,) * len(programs)
-    out = [optimize(p, i, opts) for p, i in zip(programs, inputs, strict=True)]
-    if opts.bucket and len({launch_sequence(p) for p in out}) > 1:
-        opts = replace(opts, bucket=False)
-        out = [optimize(p, i, opts) for p, i in zip(programs, inputs, strict=True)]
-    return tuple(out)
+    # uneven layouts: fake collectives give every rank block 0's shape, so a rank whose block is
+    # shorter would pack buckets by wrong sizes (even where propagation does not fail); never bucket
+    opts = replace(opts, bucket=False)
+    return tuple(optimize(p, i, opts) for p, i in zip(programs, inputs, strict=True))
 
 
 def launch_sequence(gm: GraphModule) -> tuple[tuple[Any, ...], ...]:
