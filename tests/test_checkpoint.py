@@ -46,6 +46,7 @@ def _phase(layout, world, ckpt, start, stop, save):
         ("zero3", 4, "dp4", (8, 16)),  # ZeRO-3 (split over dp) -> DP (replicated)
         ("tp2", 2, "tp4", (8, 4)),  # world 2 -> world 4
         ("sim_zero3", 1, "dp2xtp2", (8, 8)),  # one process (global tensors) -> 4 processes
+        ("dp2xtp2", 4, "zero3", (2, 16)),  # a 2-d mesh with tensor parallelism -> ZeRO-3 over 4
     ],
 )
 def test_reshard_and_continue_matches_uninterrupted_run(tmp_path, a, a_world, b, local_w1):
