@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +12,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from collectives import accounting
 from compiler.passes.graph import LAUNCHES, aliases_input
+from compiler.passes.regather import AGAIN
 from shardspec.layout import local_shape
 
 if TYPE_CHECKING:
@@ -56,15 +57,21 @@ class Lowered:
         return "\n".join(head) + "\n" + p.programs[rank].code.strip() + "\n"
 
     def collectives(self) -> list[CollectiveInfo]:
+        """One record per tensor moved: the partitioner's, then the passes' re-gathers."""
+        again = [c for launch in self.launches() for c in launch if c.node.endswith(AGAIN)]
         return [
             CollectiveInfo(c.kind, c.axes, c.shape, c.dtype, c.bytes_per_rank, c.reason, c.source)
-            for c in self.program.inserted
+            for c in (*self.program.inserted, *again)
         ]
 
     def launches(self, rank: int = 0) -> list[list[Inserted]]:
         """The collectives as the program launches them, in order: a bucket is one launch of
         several inserted collectives (``collectives()`` lists each tensor moved, and why)."""
         by_node = {c.node: c for c in self.program.inserted}
+        for c in self.program.inserted:  # a parameter gathered again for backward (regather)
+            by_node[c.node + AGAIN] = replace(
+                c, reason=c.reason + "; gathered again for backward (regather)", node=c.node + AGAIN
+            )
         out = []
         for n in self.program.programs[rank].graph.nodes:
             if n.op == "call_function" and n.target in LAUNCHES:
@@ -72,8 +79,8 @@ class Lowered:
                 members = [by_node[m] for m in names if m in by_node]
                 if members:
                     out.append(members)
-        seen = {id(c) for launch in out for c in launch}
-        return out + [[c] for c in self.program.inserted if id(c) not in seen]
+        seen = {c.node for launch in out for c in launch}
+        return out + [[c] for c in self.program.inserted if c.node not in seen]
 
     def cost(self) -> Cost:
         by_kind: dict[str, float] = {}
@@ -113,11 +120,17 @@ class Lowered:
         for n in nodes:
             src = n.all_input_nodes[0] if n.all_input_nodes else None
             alias = n.op == "call_function" and src is not None and aliases_input(n)
-            root[n] = root[src] if alias and src is not None else n
+            root[n] = root[src] if alias and src is not None and _shares_storage(n, src) else n
         last: dict[torch.fx.Node, int] = {}
         for i, n in enumerate(nodes):
             for a in n.all_input_nodes:
                 last[root[a]] = i
+        pos = {n: i for i, n in enumerate(nodes)}
+        for n in nodes:  # an async collective reads its input until it is waited for
+            if n.op == "call_function" and n.kwargs.get("async_op") and n.users:
+                done = max(pos[u] for u in n.users)
+                for a in n.all_input_nodes:
+                    last[root[a]] = max(last[root[a]], done)
         outputs = {root[a] for a in nodes[-1].all_input_nodes}
 
         def size(n: torch.fx.Node) -> int:
@@ -127,15 +140,17 @@ class Lowered:
             vals = v if isinstance(v, (tuple, list)) else [v]
             return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
 
+        free_at: dict[int, set[torch.fx.Node]] = {}
+        for a, i in last.items():
+            if a.op != "placeholder" and a not in outputs:
+                free_at.setdefault(i, set()).add(a)
         live = sum(size(n) for n in nodes if n.op == "placeholder")
         peak = live
         for i, n in enumerate(nodes):
             if n.op in ("call_function", "get_attr"):
                 live += size(n)
                 peak = max(peak, live)
-            for a in {root[a] for a in n.all_input_nodes}:
-                if last.get(a) == i and a.op != "placeholder" and a not in outputs:
-                    live -= size(a)
+            live -= sum(size(a) for a in free_at.get(i, ()))
         return peak
 
     def explain(self) -> str:
@@ -171,3 +186,12 @@ class Lowered:
         for note in self.program.prop.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def _shares_storage(n: torch.fx.Node, src: torch.fx.Node) -> bool:
+    """Whether a may-alias op really returned a view: ``reshape`` of a non-contiguous input copies,
+    which the fake values' storages show."""
+    a, b = n.meta.get("val"), src.meta.get("val")
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return True
+    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)

@@ -16,6 +16,7 @@ from compiler import passes as program_passes
 from compiler.partition import Inserted, partition
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
+from compiler.sources import source_of
 from compiler.trace import Traced, arg_names, path_str, trace
 from shardspec.errors import fail
 from shardspec.layout import check_spec, is_even, local_shape
@@ -156,7 +157,11 @@ def compile_program(
         ]
         for r in range(mesh.size)
     ]
-    programs = list(program_passes.optimize_programs(programs, local_inputs, program_passes.options(passes)))
+    backward = frozenset(
+        n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
+    )  # regather tells forward from backward uses by these
+    opts = program_passes.options(passes)
+    programs = list(program_passes.optimize_programs(programs, local_inputs, opts, backward))
     return Program(
         traced, prop, mesh, tuple(tensor_specs), tuple(out_leaf_specs), tuple(programs), tuple(inserted)
     )

@@ -3,14 +3,21 @@
 | pass        | what it does                                                                 | default |
 |-------------|------------------------------------------------------------------------------|---------|
 | ``views``   | functionalization's ``*_copy`` ops become views (``view_copy`` -> reshape)     | on      |
+| ``regather``| a parameter gathered for forward and backward is gathered again for backward   | on      |
 | ``bucket``  | same-kind collectives merged into flat-buffer launches of ``bucket_bytes``     | on      |
 | ``inplace`` | an all-reduce of a buffer nothing else reads reduces it in place               | on      |
 | ``overlap`` | async issue as soon as the input is ready, wait at the first use               | on      |
 
 ``sharded(..., passes=...)`` picks them: ``None`` for the defaults, ``False`` or ``()`` for none, a
 sequence of names for exactly those, or a mapping of overrides (``{"overlap": False,
-"bucket_bytes": 1 << 20}``). Uneven layouts give ranks different programs; bucket sizes could then
-differ between ranks, so where the ranks' collective sequences would differ, bucketing is skipped.
+"bucket_bytes": 1 << 20}``). ``regather`` is ZeRO-3's memory-for-bytes trade: with it each gathered
+parameter is held only around the layer using it, for one more all-gather of it per step
+(``{"regather": False}`` keeps the forward copy until backward instead). ``zero_bucket_bytes``
+caps the buckets of parameter gathers and gradient reduce-scatters, which hold their tensors
+unsharded (default: a phase's in about 8 launches, 1 MiB to ``bucket_bytes`` each).
+
+Uneven layouts give ranks different programs; bucket sizes could then differ between ranks, so
+where the ranks' collective sequences would differ, bucketing is skipped.
 """
 
 from __future__ import annotations
@@ -26,20 +33,23 @@ from compiler.passes.bucketing import bucketing, bucketing_
 from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
 from compiler.passes.overlap import overlap, overlap_
+from compiler.passes.regather import mark_backward, regather, regather_
 from compiler.passes.views import dense_results, dense_results_, views, views_
 from shardspec.errors import fail
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
-NAMES = ("views", "bucket", "inplace", "overlap")
+NAMES = ("views", "regather", "bucket", "inplace", "overlap")
 
 
 @dataclass(frozen=True)
 class PassOptions:
     views: bool = True
+    regather: bool = True
     bucket: bool = True
     inplace: bool = True
     overlap: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    zero_bucket_bytes: int | None = None
 
 
 def options(spec: Any) -> PassOptions:
@@ -63,16 +73,19 @@ def options(spec: Any) -> PassOptions:
     raise fail(
         f"sharded(passes={spec!r}) names no pass option ({sorted(map(str, unknown))}).",
         f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
-        "names to bools (plus 'bucket_bytes').",
+        "names to bools (plus 'bucket_bytes' and 'zero_bucket_bytes').",
     )
 
 
 Inputs = Sequence[tuple[Sequence[int], torch.dtype]]
 
 
-def optimize(gm: GraphModule, inputs: Inputs, opts: PassOptions) -> GraphModule:
-    """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes)."""
-    if not any((opts.views, opts.bucket, opts.inplace, opts.overlap)):
+def optimize(
+    gm: GraphModule, inputs: Inputs, opts: PassOptions, backward: frozenset[str] = frozenset()
+) -> GraphModule:
+    """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes;
+    ``backward``: the names of the traced ops that ran in backward, for ``regather``)."""
+    if not any((opts.views, opts.regather, opts.bucket, opts.inplace, opts.overlap)):
         return gm
     try:
         annotate(gm, inputs)
@@ -84,8 +97,11 @@ def optimize(gm: GraphModule, inputs: Inputs, opts: PassOptions) -> GraphModule:
     gm = copy_module(gm)  # once: the passes below rewrite this copy in place (each also exists pure)
     if opts.views:
         views_(gm)
+    if opts.regather:
+        mark_backward(gm, set(backward))
+        regather_(gm)
     if opts.bucket:
-        bucketing_(gm, opts.bucket_bytes)
+        bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
     if opts.inplace:
         inplace_(gm)
     if opts.overlap:
@@ -97,16 +113,19 @@ def optimize(gm: GraphModule, inputs: Inputs, opts: PassOptions) -> GraphModule:
 
 
 def optimize_programs(
-    programs: Sequence[GraphModule], inputs: Sequence[Inputs], opts: PassOptions
+    programs: Sequence[GraphModule],
+    inputs: Sequence[Inputs],
+    opts: PassOptions,
+    backward: frozenset[str] = frozenset(),
 ) -> tuple[GraphModule, ...]:
     """Every rank's program; one shared program when the ranks share one (even layouts)."""
     if all(p is programs[0] for p in programs):
-        done = optimize(programs[0], inputs[0], opts)
+        done = optimize(programs[0], inputs[0], opts, backward)
         return (done,) * len(programs)
     # uneven layouts: fake collectives give every rank block 0's shape, so a rank whose block is
     # shorter would pack buckets by wrong sizes (even where propagation does not fail); never bucket
     opts = replace(opts, bucket=False)
-    return tuple(optimize(p, i, opts) for p, i in zip(programs, inputs, strict=True))
+    return tuple(optimize(p, i, opts, backward) for p, i in zip(programs, inputs, strict=True))
 
 
 def launch_sequence(gm: GraphModule) -> tuple[tuple[Any, ...], ...]:
@@ -133,5 +152,6 @@ __all__ = [
     "optimize",
     "options",
     "overlap",
+    "regather",
     "views",
 ]

@@ -5,8 +5,10 @@ same by the ring formulas (a sum of sizes), so only the count drops.
 Collectives join a bucket when they share kind, axes, mesh, reduce op and dtype, run in the order
 their inputs become ready (parameter gathers, ready from the start, in the order of first use), and
 until the bucket reaches ``bucket_bytes`` (DDP's rule: a bucket closes once it holds at least that
-much). A member joins only if every member's input is ready before any member's result is used, so a
-bucket never waits on its own result. Layouts that keep results exact:
+much); ZeRO's buckets (parameter gathers, gradient reduce-scatters) close sooner (``zero_cap``),
+since a bucket's tensors are all held unsharded together. A member joins only if every member's
+input is ready before any member's result is used, so a bucket never waits on its own result.
+Layouts that keep results exact:
 
 - all_reduce: members flattened into one buffer, reduced in place (``all_reduce_inplace``), split.
 - reduce_scatter along dim d of n even blocks: each member becomes an (n, -1) matrix whose row r is
@@ -28,11 +30,14 @@ import torch
 from torch.fx import GraphModule, Node
 
 from compiler.passes.graph import copy_module, lift_param_views, make, mesh_axis_size, param_views, val
+from compiler.passes.regather import REGATHER
 
 aten = torch.ops.aten
 ops = torch.ops.shardspec
 _KINDS = {ops.all_reduce.default: "all_reduce", ops.reduce_scatter.default: "reduce_scatter"}
 _KINDS[ops.all_gather.default] = "all_gather"
+ZERO_BUCKETS = 8  # parameter-gather or reduce-scatter launches per phase, by default
+MIN_ZERO_BUCKET = 2**20
 
 
 @dataclass
@@ -55,7 +60,8 @@ def candidate(n: Node) -> tuple[Any, ...] | None:
         return None
     if kind == "all_gather" and k.get("size", -1) != x.shape[k["dim"]] * groups:
         return None  # uneven (or unknown) shards
-    return (kind, k["axis"], k["mesh"], k.get("op", ""), x.dtype)
+    # a backward re-gather never shares a launch with forward gathers (it would issue in forward)
+    return (kind, k["axis"], k["mesh"], k.get("op", ""), x.dtype, bool(n.meta.get(REGATHER)))
 
 
 def _nbytes(n: Node) -> int:
@@ -64,7 +70,17 @@ def _nbytes(n: Node) -> int:
     return size * mesh_axis_size(dict(n.kwargs)) if n.target is ops.all_gather.default else size
 
 
-def plan(gm: GraphModule, bucket_bytes: int) -> list[list[Node]]:
+def zero_cap(total: int, bucket_bytes: int, zero_bucket_bytes: int | None) -> int:
+    """The bucket size for parameter gathers and gradient reduce-scatters: one flat buffer for a
+    whole phase would hold every parameter (or gradient) unsharded at once, so by default a phase is
+    cut into about 8 launches (at least 1 MiB each, at most ``bucket_bytes``), close to FSDP's one
+    unit in flight while the next computes."""
+    if zero_bucket_bytes is not None:
+        return zero_bucket_bytes
+    return min(bucket_bytes, max(MIN_ZERO_BUCKET, total // ZERO_BUCKETS))
+
+
+def plan(gm: GraphModule, bucket_bytes: int, zero_bucket_bytes: int | None = None) -> list[list[Node]]:
     """The buckets of two or more collectives, each in launch order."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -83,9 +99,13 @@ def plan(gm: GraphModule, bucket_bytes: int) -> list[list[Node]]:
         return min(pos[u] for u in n.users)
 
     buckets: list[list[Node]] = []
-    for members in by_key.values():
+    for key, members in by_key.items():
         order = sorted(members, key=lambda m: (ready(m), first_use(m), pos[m]))
-        buckets += _greedy(order, ready, first_use, bucket_bytes)
+        cap = bucket_bytes
+        params = key[0] == "all_gather" and all(ready(m) == 0 for m in members)
+        if params or key[0] == "reduce_scatter":
+            cap = zero_cap(sum(map(_nbytes, members)), bucket_bytes, zero_bucket_bytes)
+        buckets += _greedy(order, ready, first_use, cap)
     return [b for b in buckets if len(b) > 1]
 
 
@@ -110,19 +130,21 @@ def _greedy(
     return [*buckets, current.members]
 
 
-def bucketing(gm: GraphModule, bucket_bytes: int = 25 * 2**20) -> GraphModule:
+def bucketing(
+    gm: GraphModule, bucket_bytes: int = 25 * 2**20, zero_bucket_bytes: int | None = None
+) -> GraphModule:
     """Merge consecutive independent collectives into flat-buffer launches (see the module doc)."""
     gm = copy_module(gm)
-    bucketing_(gm, bucket_bytes)
+    bucketing_(gm, bucket_bytes, zero_bucket_bytes)
     gm.recompile()
     return gm
 
 
-def bucketing_(gm: GraphModule, bucket_bytes: int) -> None:
+def bucketing_(gm: GraphModule, bucket_bytes: int, zero_bucket_bytes: int | None = None) -> None:
     from compiler.passes.sink import sink_
 
     sink_(gm)
-    for members in plan(gm, bucket_bytes):
+    for members in plan(gm, bucket_bytes, zero_bucket_bytes):
         _rewrite(gm, members)
     gm.graph.lint()
 
@@ -143,7 +165,8 @@ def _rewrite(gm: GraphModule, members: list[Node]) -> None:
     n = mesh_axis_size(kwargs)
     with graph.inserting_before(last_input.next):
         launch = _pack_and_launch(graph, kind, members, kwargs, n)
-    launch.meta["shardspec_members"] = [m.name for m in members]
+    names = [x for m in members for x in m.meta.get("shardspec_members", [m.name])]
+    launch.meta["shardspec_members"] = names
     launch.meta["shardspec_reason"] = "; ".join(str(m.meta.get("shardspec_reason", "")) for m in members)
     with graph.inserting_before(first_user):
         results = _unpack(graph, kind, members, launch, n)

@@ -11,6 +11,8 @@ each collective at its rendezvous, so there the schedule changes only the order.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -51,7 +53,22 @@ def overlap_(gm: GraphModule) -> None:
     _schedule_prefetch(graph, prefetch)
     for c in launches:
         _wait_late(graph, c)
+    _bound_scatters(graph, [c for c in launches if c.target is ops.reduce_scatter.default])
     graph.lint()
+
+
+def _bound_scatters(graph: Graph, scatters: list[Node]) -> None:
+    """One reduce-scatter in flight: each is waited for before the next one is packed. Its input
+    (the full gradients) must live until the wait; waiting there instead of at the optimizer lets
+    them die while backward still runs, as FSDP frees a gradient once its reduce-scatter is done."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    scatters = sorted(scatters, key=order.__getitem__)
+    for c, following in itertools.pairwise(scatters):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        (wait,) = c.users
+        start = _pack_chain(following)[0]
+        if order[start] < order[wait] and order[c] < order[start]:
+            start.prepend(wait)
 
 
 def _pack_chain(c: Node) -> list[Node]:
