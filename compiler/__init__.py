@@ -27,6 +27,7 @@ def sharded(
     check_values: bool = True,
     timeout: float = 600.0,
     passes: Any = None,
+    donate: tuple[int, ...] = (),
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
@@ -55,13 +56,30 @@ def sharded(
     ``passes`` picks the program passes run after partition (``compiler.passes``): None for the
     defaults (views for copies, bucketed, in-place and overlapped collectives), False for none, a
     sequence of pass names, or a mapping of overrides such as ``{"bucket_bytes": 1 << 20}``.
+    Memory: ``passes={"regather": False}`` keeps ZeRO-3's forward-gathered parameters until backward
+    (fewer bytes, more memory; by default each is gathered again for backward), and
+    ``{"zero_bucket_bytes": n}`` sizes the flat buffers of parameter gathers and gradient
+    reduce-scatters. ``donate=(0, 1)`` (as ``jax.jit(donate_argnums=...)``) lets the step write its
+    results into those arguments' buffers (new parameters and optimizer state over the old, as torch
+    optimizers update in place): on a real mesh the returned DTensors share the donated ones' local
+    storage; on a simulated mesh shards are copies anyway. A donated tensor passed again is an error
+    naming it (use the returned value); donating an argument the step returns unchanged is an error.
     """
 
     pass_options(passes)  # a misspelled option fails here, not at the first call
 
     def wrap(f: Callable[..., Any]) -> ShardedFunction:
         return ShardedFunction(
-            f, mesh, in_specs, out_specs, unsupported, strict, check_values, timeout, passes=passes
+            f,
+            mesh,
+            in_specs,
+            out_specs,
+            unsupported,
+            strict,
+            check_values,
+            timeout,
+            passes=passes,
+            donate=donate,
         )
 
     return wrap(fn) if fn is not None else wrap

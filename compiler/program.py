@@ -34,6 +34,7 @@ class Program:
     out_specs: tuple[P, ...]
     programs: tuple[GraphModule, ...]  # per rank (the same object for every rank when even)
     inserted: tuple[Inserted, ...]  # rank 0's
+    donated: tuple[int, ...] = ()  # tensor inputs whose buffers the results may take (donate=)
 
 
 def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = None) -> list[P]:
@@ -95,6 +96,7 @@ def compile_program(
     unsupported: str,
     strict: bool = False,
     passes: Any = None,
+    donate: tuple[int, ...] = (),
 ) -> Program:
     names = arg_names(fn, len(args))
     if isinstance(in_specs, list) and len(in_specs) == len(args):
@@ -112,13 +114,16 @@ def compile_program(
         )
     leaf_specs = broadcast_specs(in_specs, args, "in_specs", names)
     paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
-    tensor_specs = []
+    tensor_specs: list[P] = []
+    donated: list[int] = []
     for path, leaf, spec in zip(paths, leaves, leaf_specs, strict=True):
         where = path_str(names[path[0]], path[1:])
         if not isinstance(spec, P):
             raise fail(f"in_specs for {where} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
         if isinstance(leaf, torch.Tensor):
             check_spec(tuple(leaf.shape), mesh, spec, name=where)
+            if path[0] in donate:
+                donated.append(len(tensor_specs))
             tensor_specs.append(spec)
         elif spec != P():
             raise fail(
@@ -162,8 +167,17 @@ def compile_program(
     )  # regather tells forward from backward uses by these
     opts = program_passes.options(passes)
     programs = list(program_passes.optimize_programs(programs, local_inputs, opts, backward))
+    if donated:
+        programs = list(program_passes.donate_programs(programs, local_inputs, traced, donated))
     return Program(
-        traced, prop, mesh, tuple(tensor_specs), tuple(out_leaf_specs), tuple(programs), tuple(inserted)
+        traced,
+        prop,
+        mesh,
+        tuple(tensor_specs),
+        tuple(out_leaf_specs),
+        tuple(programs),
+        tuple(inserted),
+        tuple(donated),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -41,8 +42,10 @@ class ShardedFunction:
         check_values: bool = True,
         timeout: float = 600.0,
         passes: Any = None,
+        donate: tuple[int, ...] = (),
     ) -> None:
         self.strict = strict
+        self.donate = _donate_argnums(donate)
         self.check_values, self.timeout = check_values, timeout
         self.passes = passes
         if not isinstance(mesh, Mesh):
@@ -85,6 +88,7 @@ class ShardedFunction:
                     self.unsupported,
                     self.strict,
                     passes=self.passes,
+                    donate=self.donate,
                 )
             finally:
                 _TRACING.reset(token)
@@ -98,9 +102,18 @@ class ShardedFunction:
         if outer is not None:
             return self._inline(outer, args)
         inputs.check_autograd(self.fn, args)
+        _check_not_donated(args, self.fn)
+        if any(i >= len(args) for i in self.donate):
+            raise fail(
+                f"sharded(donate={self.donate}) names argument {max(self.donate)} but "
+                f"{self.__name__} was called with {len(args)}.",
+                "donate positions of the step's own positional arguments.",
+            )
         program, key = self._program(args)
         leaves: list[Any] = optree.tree_leaves(cast(Any, args), none_is_leaf=False)
         tensors = [leaves[i] for i in program.traced.tensor_positions]
+        for i in program.donated:  # after this call their storage may hold its results
+            _mark_donated(tensors[i], program.traced.in_paths[i], self.__name__)
         if self.mesh.simulated:
             outs = _run_simulated(program, tensors)
         else:
@@ -145,6 +158,46 @@ class ShardedFunction:
                 for x, s in zip(out_leaves, out_specs, strict=True)
             ],
         )
+
+
+# Tensors given up by an earlier call (donate=): id -> (weak reference, argument path, step name)
+_DONATED: dict[int, tuple[weakref.ref[Any], str, str]] = {}
+
+
+def _donate_argnums(donate: Any) -> tuple[int, ...]:
+    if isinstance(donate, int) and not isinstance(donate, bool):
+        donate = (donate,)
+    ok = isinstance(donate, (tuple, list)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in donate
+    )
+    if not ok:
+        raise fail(
+            f"sharded(donate={donate!r}) is not a tuple of argument positions.",
+            "pass the positions of the arguments whose buffers the step may reuse, e.g. donate=(0, 1).",
+        )
+    return tuple(sorted(set(donate)))
+
+
+def _mark_donated(t: Any, path: str, step: str) -> None:
+    key = id(t)
+    _DONATED[key] = (weakref.ref(t, lambda _: _DONATED.pop(key, None)), path, step)
+
+
+def _check_not_donated(args: tuple[Any, ...], fn: Callable[..., Any]) -> None:
+    """A donated tensor's storage now holds another call's results: using it again is an error."""
+    if not _DONATED:
+        return
+    names = arg_names(fn, len(args))
+    paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    for path, leaf in zip(paths, leaves, strict=True):
+        entry = _DONATED.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+        if entry is not None and entry[0]() is leaf:
+            where = names[path[0]] + "".join(f"[{k!r}]" for k in path[1:])
+            raise fail(
+                f"{where} was donated to {entry[2]} (as {entry[1]}, sharded(donate=...)) by an earlier "
+                "call; its buffer may now hold that call's results.",
+                "pass the value that call returned instead (params, state = step(params, state, ...)).",
+            )
 
 
 def _global_view(arg: Any) -> Any:

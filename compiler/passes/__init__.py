@@ -30,6 +30,7 @@ import torch
 from torch.fx import GraphModule
 
 from compiler.passes.bucketing import bucketing, bucketing_
+from compiler.passes.donate import donate_
 from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
 from compiler.passes.overlap import overlap, overlap_
@@ -128,6 +129,34 @@ def optimize_programs(
     return tuple(optimize(p, i, opts, backward) for p, i in zip(programs, inputs, strict=True))
 
 
+def donate_programs(
+    programs: Sequence[GraphModule], inputs: Sequence[Inputs], traced: Any, donated: Sequence[int]
+) -> tuple[GraphModule, ...]:
+    """Each rank's program writing its results into the donated inputs (``passes/donate.py``);
+    a donated input the step returns unchanged is an error, since its buffer cannot be both."""
+    placeholders = [n for n in traced.module.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in traced.module.graph.nodes if n.op == "output")
+    for i in donated:
+        if placeholders[i] in out.all_input_nodes:
+            raise fail(
+                f"{traced.in_paths[i]} is donated (sharded(donate=...)) but the step returns it "
+                "unchanged; a donated buffer is overwritten with the step's results.",
+                f"do not donate the argument holding {traced.in_paths[i]}, or return a new value.",
+            )
+    done: dict[int, GraphModule] = {}
+    for gm, ins in zip(programs, inputs, strict=True):
+        if id(gm) not in done:
+            new = copy_module(gm)
+            try:
+                annotate(new, ins)
+            except Exception:
+                done[id(gm)] = gm  # shapes unknown on this rank (uneven blocks): no donation
+                continue
+            donate_(new, donated, traced.in_paths, traced.out_paths)
+            done[id(gm)] = new
+    return tuple(done[id(gm)] for gm in programs)
+
+
 def launch_sequence(gm: GraphModule) -> tuple[tuple[Any, ...], ...]:
     """The collectives a program launches, in order, with what each rank must agree on."""
     return tuple(
@@ -147,6 +176,7 @@ __all__ = [
     "PassOptions",
     "bucketing",
     "dense_results",
+    "donate_programs",
     "inplace",
     "launch_sequence",
     "optimize",
