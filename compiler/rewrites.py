@@ -7,7 +7,9 @@ over batch and heads) becomes one ``shardspec::matmul`` node: ATen would merge t
 for ``bmm``, and a merged (batch, heads) dim split over two axes is not a block of anything. Dropout
 with p > 0 is refused: it needs random numbers that do not depend on how a tensor is split, which the
 runtime does not provide yet. ``one_hot`` becomes a comparison with ``arange`` (its kernel validates
-label values, which a shape-only trace cannot do).
+label values, which a shape-only trace cannot do). ``linear_cross_entropy`` becomes linear then
+cross_entropy (its chunked kernel is one opaque op that function transforms cannot differentiate);
+``tensor_split`` at points held in a tensor is refused (the pieces' sizes depend on values).
 """
 
 from __future__ import annotations
@@ -151,6 +153,41 @@ def one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
 
 
 _ONE_HOT = {F.one_hot, torch._C._nn.one_hot}
+_LINEAR_CE = {getattr(F, "linear_cross_entropy", None)} - {None}
+_TENSOR_SPLIT = {torch.tensor_split, torch.Tensor.tensor_split}
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    options: Any = None,
+) -> torch.Tensor:
+    """F.linear_cross_entropy as its reference form, linear then cross_entropy: the chunked kernels
+    are one opaque op (with an autograd.Function that function transforms cannot differentiate),
+    while the two plain ops have rules; chunking only saves memory, the values are the same."""
+    logits = F.linear(input, linear_weight, linear_bias)
+    return F.cross_entropy(
+        logits,
+        target,
+        weight=weight,
+        reduction=reduction,
+        ignore_index=-100 if ignore_index is None else ignore_index,
+        label_smoothing=label_smoothing,
+    )
+
+
+def _split_points(args: Any, kwargs: dict[str, Any]) -> Any:
+    for key in ("indices_or_sections", "tensor_indices_or_sections", "indices", "sections"):
+        if key in kwargs:
+            return kwargs[key]
+    return args[1] if len(args) > 1 else None
 
 
 class Rewrites(TorchFunctionMode):
@@ -160,6 +197,14 @@ class Rewrites(TorchFunctionMode):
             return sdpa_math(*args, **kwargs)
         if func in _ONE_HOT:
             return one_hot(*args, **kwargs)
+        if func in _LINEAR_CE:
+            return linear_cross_entropy(*args, **kwargs)
+        if func in _TENSOR_SPLIT and isinstance(_split_points(args, kwargs), torch.Tensor):
+            raise fail(
+                f"tensor_split at {user_frame()} with split points in a tensor: the size of each piece "
+                "depends on tensor values, and the step is traced once on shapes only.",
+                "pass the split points as a Python list of ints.",
+            )
         if func in _MATMUL and len(args) == 2 and not kwargs and _many_batch_dims(*args):
             return batched_matmul(*args)
         if func in _DROPOUT:

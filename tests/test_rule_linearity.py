@@ -50,7 +50,6 @@ def _hand() -> dict[Any, list[Call]]:
     x4 = _r(2, 3, 4, 4)
     x5 = _r(1, 2, 4, 4, 4)
     idx = torch.tensor([2, 0, 2])
-    zeros = torch.zeros(3, 4, dtype=torch.float64)
     h: dict[Any, list[Call]] = {
         aten.mm.default: [((x, w), {})],
         aten.bmm.default: [((_r(2, 3, 4), _r(2, 4, 5)), {})],
@@ -100,11 +99,6 @@ def _hand() -> dict[Any, list[Call]]:
         aten._softmax_backward_data.default: [((y, x.softmax(1), 1, torch.float64), {})],
         aten.embedding.default: [((w, idx), {})],
         aten.index.Tensor: [((x, [idx]), {})],
-        aten.index_put.default: [
-            ((x, [idx], _r(3, 4), True), {}),
-            ((zeros, [idx], _r(3, 4), True), {}),
-            ((x, [idx], _r(3, 4)), {}),
-        ],
         aten.native_layer_norm.default: [((x, [4], _r(4), _r(4), 1e-5), {})],
         aten.split_with_sizes.default: [((x, [1, 3], 1), {})],
         aten.split_with_sizes_copy.default: [((x, [1, 3], 1), {})],
@@ -117,7 +111,6 @@ def _hand() -> dict[Any, list[Call]]:
         aten.select.int: [((x, 1, 2), {})],
         aten.select_copy.int: [((x, 1, 2), {})],
         aten.slice_scatter.default: [((x, _r(3, 2), 1, 1, 3), {})],
-        aten.index_select.default: [((x, 0, idx), {})],
         aten.any.dims: [((x > 1, [1]), {})],
         aten.copy.default: [((x, y), {})],
         aten.new_full.default: [((x, [2], 3.0), {})],
@@ -193,6 +186,104 @@ def _hand() -> dict[Any, list[Call]]:
     h[aten.diagonal_scatter.default] = [((b, _r(2, 3, 4), 0, 2, 3), {}) for b in (x4, torch.zeros_like(x4))]
     for op in (aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default):
         h[op] = [((x, 1), {})]
+    h.update(_indexing_calls())
+    h.update(_resampling_calls())
+    return h
+
+
+def _indexing_calls() -> dict[Any, list[Call]]:
+    """Advanced indexing (leading, non-leading, several and broadcast index tensors), its write-back,
+    and the ops kept whole."""
+    x, x3 = _r(3, 4), _r(2, 3, 4)
+    col, row = _i(3, 1, hi=3), _i(1, 2, hi=4)
+    zeros = torch.zeros(2, 3, 4, dtype=torch.float64)
+    index_calls = [((x, [idx]), {}) for idx in (_i(3),)] + [
+        ((x3, [None, _i(5)]), {}),
+        ((x3, [None, col, row]), {}),
+        ((x3, [_i(2, 2, hi=2), None, _i(2, 2, hi=4)]), {}),
+    ]
+    put_calls = [
+        ((base, [None, col, row], v, acc), {})
+        for base in (x3, zeros)
+        for v in (_r(2, 3, 2), _r(3, 1))
+        for acc in (True, False)
+    ] + [((zeros, [_i(2, 2, hi=2), None, _i(2, 2, hi=4)], _r(2, 2, 3), True), {})]
+    g, bags = _r(2, 5, 6), (torch.tensor([2, 3]), torch.tensor([0, 0]))
+    s0 = torch.tensor(1.5, dtype=torch.float64)
+    return {
+        aten.index.Tensor: index_calls,
+        aten._unsafe_index.Tensor: index_calls,
+        aten.index_put.default: put_calls,
+        aten._unsafe_index_put.default: put_calls,
+        aten.index_select.default: [
+            ((x, 0, _i(3)), {}),
+            ((s0, 0, torch.tensor([0])), {}),
+        ],
+        aten.scatter.reduce: [((x, 1, _i(3, 2, hi=4), _r(3, 2)), {"reduce": "add"})],
+        aten.scatter.value_reduce: [((x, 1, _i(3, 2, hi=4), 2.0), {"reduce": "multiply"})],
+        aten.put.default: [((x, _i(3, hi=12), _r(3), True), {})],
+        aten.masked_scatter.default: [((x, x > 1, _r(12)), {})],
+        aten.masked_scatter_backward.default: [((_r(3, 4), x > 1, [12]), {})],
+        aten._trilinear.default: [((_r(2, 3), _r(5, 3, 4), _r(2, 4), [1, 3], [0], [1, 2], [2, 3]), {})],
+        aten.index_reduce.default: [((x, 0, _i(3), _r(3, 4), "amax"), {})],
+        aten.histogram.bin_ct: [((x, 4), {})],
+        aten.histogram.bins_tensor: [((x, torch.tensor([0.5, 1.0, 1.5], dtype=torch.float64)), {})],
+        aten._pdist_forward.default: [((x, 2.0), {})],
+        aten._pdist_backward.default: [((_r(3), x, 2.0, torch.pdist(x)), {})],
+        aten._embedding_bag.default: [((_r(10, 3), _i(5, hi=10), torch.tensor([0, 2])), {})],
+        aten._embedding_bag_forward_only.default: [((_r(10, 3), _i(5, hi=10), torch.tensor([0, 2])), {})],
+        aten._embedding_bag_per_sample_weights_backward.default: [
+            ((_r(2, 3), _r(10, 3), _i(5, hi=10), torch.tensor([0, 2]), torch.tensor([0, 0, 1, 1, 1]), 0), {})
+        ],
+        aten._embedding_bag_dense_backward.default: [
+            ((_r(2, 3), _i(5, hi=10), torch.tensor([0, 0, 1, 1, 1]), *bags, 10, False, 0, None), {})
+        ],
+        aten.linalg_pinv.atol_rtol_tensor: [((_spd(),), {})],
+        aten.unfold.default: [((x, 1, 2, 1), {}), ((s0, 0, 1, 1), {})],
+        aten.unfold_copy.default: [((x, 1, 2, 1), {})],
+        aten.unfold_backward.default: [((_r(3, 3, 2), [3, 4], 1, 2, 1), {}), ((_r(1), [], 0, 1, 1), {})],
+        aten._cdist_forward.default: [((x3, _r(2, 5, 4), 2.0, None), {}), ((x, _r(5, 4), 1.0, None), {})],
+        aten._cdist_backward.default: [((g, x3, _r(2, 6, 4), 2.0, torch.cdist(x3, _r(2, 6, 4))), {})],
+        aten._fft_r2c.default: [((x3, [2], 0, True), {})],
+        aten._fft_c2c.default: [((torch.fft.fft(x3), [1, 2], 0, True), {})],
+        aten._fft_c2r.default: [((torch.fft.rfft(x3), [2], 0, 4), {})],
+        aten.view_as_real.default: [((torch.fft.fft(x),), {})],
+        aten.view_as_real_copy.default: [((torch.fft.fft(x),), {})],
+        aten.view_as_complex.default: [((_r(3, 2),), {})],
+        aten.view_as_complex_copy.default: [((_r(3, 2),), {})],
+        aten._conj_copy.default: [((torch.fft.fft(x),), {})],
+        aten._conj_physical.default: [((torch.fft.fft(x),), {})],
+        aten.conj_physical.default: [((torch.fft.fft(x),), {})],
+        aten.polar.default: [((x, _r(3, 4)), {})],
+        aten.complex.default: [((x, _r(3, 4)), {})],
+    }
+
+
+def _resampling_calls() -> dict[Any, list[Call]]:
+    """Upsampling, padding, grid sampling and their backward ops."""
+    from compiler.rules.registry import _SPATIAL
+
+    h: dict[Any, list[Call]] = {}
+    for name, n in _SPATIAL.items():
+        x = _r(2, 3, *[4] * n)
+        fwd, bwd = getattr(aten, name).default, getattr(aten, name + "_backward").default
+        if "pad" in name:
+            pad = [1] * (2 * n)
+            h[fwd] = [((x, pad), {})]
+            h[bwd] = [((fwd(x, pad), x, pad), {})]
+            continue
+        align = (False,) if "align_corners" in str(fwd._schema) else ()
+        h[fwd] = [((x, [6] * n, *align), {})]
+        h[bwd] = [((_r(2, 3, *[6] * n), [6] * n, list(x.shape), *align), {})]
+    for n, op, back in (
+        (2, aten.grid_sampler_2d.default, aten.grid_sampler_2d_backward.default),
+        (3, aten.grid_sampler_3d.default, aten.grid_sampler_3d_backward.default),
+    ):
+        x, grid = _r(2, 3, *[4] * n), torch.rand(2, *[5] * n, n, dtype=torch.float64) * 2 - 1
+        h[op] = [((x, grid, 0, 0, False), {})]
+        h[back] = [((_r(2, 3, *[5] * n), x, grid, 0, 0, False, m), {}) for m in ([True, True], [False, True])]
+    h[aten._adaptive_avg_pool2d_backward.default] = [((_r(2, 3, 2, 2), _r(2, 3, 4, 4)), {})]
+    h[aten._adaptive_avg_pool3d_backward.default] = [((_r(2, 3, 2, 2, 2), _r(2, 3, 4, 4, 4)), {})]
     return h
 
 

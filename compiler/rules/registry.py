@@ -16,9 +16,11 @@ from torch.fx import Node
 
 import compiler.rewrites  # noqa: F401  (defines torch.ops.shardspec.matmul)
 from compiler.rules import builders as b
+from compiler.rules import indexing as ix
 from compiler.rules import reductions as red
 from compiler.rules import spatial as sp
 from compiler.rules import structural as st
+from compiler.rules import transforms as tf
 from compiler.rules.elementwise_ops import ELEMENTWISE_LINEAR_ONE, ELEMENTWISE_NONLINEAR
 from compiler.rules.notation import Rule, parse
 
@@ -98,8 +100,10 @@ REGISTRY: dict[Any, Builder] = {
     aten._log_softmax_backward_data.default: partial(b.softmax_like, operands=2, linear="first"),
     aten._softmax_backward_data.default: partial(b.softmax_like, operands=2, linear="first"),
     aten.embedding.default: st.embedding,
-    aten.index.Tensor: st.index,
-    aten.index_put.default: st.index_put,
+    aten.index.Tensor: ix.index,
+    aten._unsafe_index.Tensor: ix.index,
+    aten.index_put.default: ix.index_put,
+    aten._unsafe_index_put.default: ix.index_put,
     aten.native_layer_norm.default: st.layer_norm,
     aten.split_with_sizes.default: st.split,
     aten.split.Tensor: st.split,
@@ -111,7 +115,7 @@ REGISTRY: dict[Any, Builder] = {
     aten.select.int: st.select,
     aten.select_copy.int: st.select,
     aten.slice_scatter.default: st.slice_scatter,
-    aten.index_select.default: st.index_select,
+    aten.index_select.default: ix.index_select,
     aten.tril.default: st.triangle,
     aten.triu.default: st.triangle,
     aten.any.dim: st.reduce_any,
@@ -183,13 +187,12 @@ REGISTRY: dict[Any, Builder] = {
     aten._adaptive_avg_pool3d.default: partial(sp.pooling, spatial=3),
     aten.adaptive_max_pool2d.default: partial(sp.pooling, spatial=2),
     aten.adaptive_max_pool3d.default: partial(sp.pooling, spatial=3),
-    aten.upsample_bilinear2d.default: partial(sp.pooling, spatial=2),
-    aten.upsample_bicubic2d.default: partial(sp.pooling, spatial=2),
-    aten.upsample_trilinear3d.default: partial(sp.pooling, spatial=3),
     aten.native_batch_norm.default: sp.batch_norm,
     aten.native_group_norm.default: sp.group_norm,
     aten.scatter.value: b.scatter,
     aten.scatter.src: b.scatter,
+    aten.scatter.reduce: b.scatter,
+    aten.scatter.value_reduce: b.scatter,
 }
 for _op in ELEMENTWISE_NONLINEAR:
     REGISTRY[_op] = partial(b.elementwise, linear="none")
@@ -224,6 +227,81 @@ for _op in _BATCHED_MATRIX:
 for _op in ELEMENTWISE_LINEAR_ONE:
     REGISTRY[_op] = partial(b.elementwise, linear="one")
 
+# resampling and padding ops by name, with their spatial dims; each has a ``<name>_backward``
+_SPATIAL = {
+    "upsample_nearest1d": 1,
+    "upsample_nearest2d": 2,
+    "upsample_nearest3d": 3,
+    "_upsample_nearest_exact1d": 1,
+    "_upsample_nearest_exact2d": 2,
+    "_upsample_nearest_exact3d": 3,
+    "upsample_linear1d": 1,
+    "upsample_bilinear2d": 2,
+    "_upsample_bilinear2d_aa": 2,
+    "upsample_bicubic2d": 2,
+    "_upsample_bicubic2d_aa": 2,
+    "upsample_trilinear3d": 3,
+    "reflection_pad1d": 1,
+    "reflection_pad2d": 2,
+    "reflection_pad3d": 3,
+    "replication_pad1d": 1,
+    "replication_pad2d": 2,
+    "replication_pad3d": 3,
+}
+_RESAMPLE = [getattr(aten, name).default for name in _SPATIAL]
+_RESAMPLE_BACKWARD = [getattr(aten, name + "_backward").default for name in _SPATIAL]
+for _name, _n in _SPATIAL.items():
+    REGISTRY[getattr(aten, _name).default] = partial(sp.pooling, spatial=_n)
+    _grad = sp.pad_backward if "pad" in _name else sp.upsample_backward
+    REGISTRY[getattr(aten, _name + "_backward").default] = partial(_grad, spatial=_n)
+# ops whose every dim stays whole: flat positions (put, histogram), data-ordered writes
+# (masked_scatter), mixed contractions (bilinear's _trilinear), bags
+for _op in (
+    aten.dist.default,
+    aten.put.default,
+    aten.masked_scatter.default,
+    aten._trilinear.default,
+    aten.index_reduce.default,
+    aten.histogram.bin_ct,
+    aten.histogram.bins_tensor,
+    aten._pdist_forward.default,
+    aten._pdist_backward.default,
+    aten._embedding_bag_forward_only.default,
+    aten._embedding_bag.default,
+    aten.linalg_pinv.atol_rtol_tensor,
+    aten._embedding_bag_per_sample_weights_backward.default,
+    aten._embedding_bag_dense_backward.default,
+    aten.masked_scatter_backward.default,
+):
+    REGISTRY[_op] = ix.whole
+REGISTRY.update(
+    {
+        aten.unfold.default: tf.unfold,
+        aten.unfold_copy.default: tf.unfold,
+        aten.unfold_backward.default: tf.unfold_backward,
+        aten._cdist_forward.default: tf.cdist,
+        aten._cdist_backward.default: tf.cdist_backward,
+        aten._fft_r2c.default: tf.fft,
+        aten._fft_c2c.default: tf.fft,
+        aten._fft_c2r.default: tf.fft,
+        aten.view_as_real.default: tf.view_as_real,
+        aten.view_as_complex.default: tf.view_as_complex,
+        aten.view_as_real_copy.default: tf.view_as_real,
+        aten.view_as_complex_copy.default: tf.view_as_complex,
+        aten._conj_copy.default: partial(b.elementwise, linear="none"),
+        aten._conj_physical.default: partial(b.elementwise, linear="none"),
+        aten.conj_physical.default: partial(b.elementwise, linear="none"),
+        aten._adaptive_avg_pool2d_backward.default: partial(sp.pad_backward, spatial=2),
+        aten._adaptive_avg_pool3d_backward.default: partial(sp.pad_backward, spatial=3),
+        aten.grid_sampler_2d.default: tf.grid_sampler,
+        aten.grid_sampler_3d.default: tf.grid_sampler,
+        aten.grid_sampler_2d_backward.default: tf.grid_sampler_backward,
+        aten.grid_sampler_3d_backward.default: tf.grid_sampler_backward,
+        aten.complex.default: partial(b.elementwise, linear="none"),
+        aten.polar.default: partial(b.elementwise, linear="none"),
+    }
+)
+
 
 # kernels that reject a zero-size block on any dim (an uneven split can leave a rank with none)
 NO_EMPTY_BLOCKS = {
@@ -241,9 +319,12 @@ NO_EMPTY_BLOCKS = {
     aten._adaptive_avg_pool3d.default,
     aten.adaptive_max_pool2d.default,
     aten.adaptive_max_pool3d.default,
-    aten.upsample_bilinear2d.default,
-    aten.upsample_bicubic2d.default,
-    aten.upsample_trilinear3d.default,
+    *_RESAMPLE,
+    *_RESAMPLE_BACKWARD,
+    aten.grid_sampler_2d.default,
+    aten.grid_sampler_3d.default,
+    aten._adaptive_avg_pool2d_backward.default,
+    aten._adaptive_avg_pool3d_backward.default,
 }
 
 

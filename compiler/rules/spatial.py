@@ -106,3 +106,25 @@ def avg_pool_backward(node: Node) -> Built:
     g = [*lead, *(f"g{k}!" for k in range(spatial))]
     s = [*lead, *(f"s{k}!" for k in range(spatial))]
     return line([g, s], [s]), "first", [grad, x]
+
+
+def upsample_backward(node: Node, spatial: int) -> Built:
+    """upsample_*_backward(grad, output_size, input_size, ...): (batch, channel) pass through, the
+    resampled dims stay whole; linear in grad."""
+    grad = arg(node, 0)
+    n = len(shape_of(grad))
+    lead = [f"l{k}" for k in range(n - spatial)]
+    g = [*lead, *(f"g{k}!" for k in range(spatial))]
+    s = [*lead, *(f"s{k}!" for k in range(spatial))]
+    return line([g], [s]), "first", [grad]
+
+
+def pad_backward(node: Node, spatial: int) -> Built:
+    """reflection/replication_pad*_backward(grad, x, padding) and _adaptive_avg_pool*_backward(grad,
+    x): (batch, channel) pass through, the spatial dims stay whole; linear in grad."""
+    grad, x = arg(node, 0), arg(node, 1)
+    n = len(shape_of(x))
+    lead = [f"l{k}" for k in range(n - spatial)]
+    g = [*lead, *(f"g{k}!" for k in range(spatial))]
+    s = [*lead, *(f"s{k}!" for k in range(spatial))]
+    return line([g, s], [s]), "first", [grad, x]

@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch.fx import Node
 
-from compiler.rules.builders import Built, arg, is_zeros, shape_of
+from compiler.rules.builders import Built, arg, shape_of
 from compiler.rules.notation import letters, line
 
 
@@ -29,32 +28,6 @@ def embedding(node: Node) -> Built:
     ishape = shape_of(idx)
     it = letters(len(ishape), 1)
     return line([["v!", "e"], it], [[*it, "e"]]), "first", [weight, idx]
-
-
-def index_put(node: Node) -> Built:
-    """index_put(self, [None]*k + [index], values, accumulate) (index_select's and embedding's
-    backward): with accumulate onto zeros the indexed positions are a sum over the index dims (split
-    -> pending sum) and ``values`` may stay a pending sum; onto a nonzero base every device would add
-    the base once, and without accumulate positions must stay whole, so then the index dims do."""
-    x, indices, values = arg(node, 0), arg(node, 1), arg(node, 2)
-    accumulate = bool(arg(node, 3, node.kwargs.get("accumulate", False)))
-    k = len(indices) - 1
-    if not isinstance(indices[k], Node) or any(i is not None for i in indices[:k]):
-        raise KeyError("index_put with several or non-trailing index tensors")
-    idx = indices[k]
-    xs, ishape = shape_of(x), shape_of(idx)
-    if len(xs) <= k or shape_of(values) != (*xs[:k], *ishape, *xs[k + 1 :]):
-        raise KeyError("index_put with broadcast values")
-    if idx.meta["val"].dtype not in (torch.int64, torch.int32):
-        raise KeyError("index_put with a boolean mask")
-    pre, post = letters(k, 100), letters(len(xs) - k - 1, 200)
-    base = is_zeros(x)  # a split index sums blocks: onto a nonzero base each device would add it
-    it = [f"i{j}" + ("" if accumulate and base else "!") for j in range(len(ishape))]
-    return (
-        line([[*pre, "v!", *post], it, [*pre, *it, *post]], [[*pre, "v!", *post]]),
-        "last" if accumulate and base else "none",
-        [x, idx, values],
-    )
 
 
 def layer_norm(node: Node) -> Built:
@@ -123,17 +96,6 @@ def slice_scatter(node: Node) -> Built:
     return line([_dims(len(xs), dim, "!"), src_t], [_dims(len(xs), dim, "!")]), "none", [x, src]
 
 
-def index_select(node: Node) -> Built:
-    x, idx = arg(node, 0), arg(node, 2)
-    xs = shape_of(x)
-    if not xs:
-        raise KeyError("index_select of a 0-dim tensor")
-    dim = _norm(arg(node, 1), len(xs))
-    names = letters(len(xs))
-    out = ["i" if k == dim else n for k, n in enumerate(names)]
-    return line([_dims(len(xs), dim, "!"), ["i"]], [out]), "first", [x, idx]
-
-
 def triangle(node: Node) -> Built:
     """tril / triu: which elements survive depends on their global row and column."""
     x = arg(node, 0)
@@ -191,17 +153,3 @@ def pool_backward(node: Node) -> Built:
         "none",
         [grad, x, idx],
     )
-
-
-def index(node: Node) -> Built:
-    """x[idx] with one index tensor on the leading dim (aten.index.Tensor): like an embedding
-    lookup, the indexed dim stays whole and the index's dims pass through to the result."""
-    x, indices = arg(node, 0), arg(node, 1)
-    if not indices or not isinstance(indices[0], Node) or any(i is not None for i in indices[1:]):
-        raise KeyError("index with several or non-leading index tensors")
-    idx = indices[0]
-    if idx.meta["val"].dtype not in (torch.int64, torch.int32):
-        raise KeyError("boolean-mask indexing")
-    rest = letters(len(shape_of(x)) - 1, 100)
-    it = [f"i{k}" for k in range(len(shape_of(idx)))]
-    return line([["v!", *rest], it], [[*it, *rest]]), "first", [x, idx]
