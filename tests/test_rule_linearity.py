@@ -239,6 +239,11 @@ def _indexing_calls() -> dict[Any, list[Call]]:
             ((_r(2, 3), _i(5, hi=10), torch.tensor([0, 0, 1, 1, 1]), *bags, 10, False, 0, None), {})
         ],
         aten.linalg_pinv.atol_rtol_tensor: [((_spd(),), {})],
+        aten.hash_tensor.default: [((x.float(),), {})],
+        aten.nonzero_static.default: [((x > 1,), {"size": 4})],
+        aten._histogramdd_bin_edges.default: [((x, [2, 2, 2, 2]), {})],
+        aten._histogramdd_from_bin_cts.default: [((x, [2, 2, 2, 2]), {})],
+        aten._histogramdd_from_bin_tensors.default: [((_r(3, 2), [_r(3).sort()[0]] * 2), {})],
         aten.unfold.default: [((x, 1, 2, 1), {}), ((s0, 0, 1, 1), {})],
         aten.unfold_copy.default: [((x, 1, 2, 1), {})],
         aten.unfold_backward.default: [((_r(3, 3, 2), [3, 4], 1, 2, 1), {}), ((_r(1), [], 0, 1, 1), {})],
@@ -282,6 +287,34 @@ def _resampling_calls() -> dict[Any, list[Call]]:
         x, grid = _r(2, 3, *[4] * n), torch.rand(2, *[5] * n, n, dtype=torch.float64) * 2 - 1
         h[op] = [((x, grid, 0, 0, False), {})]
         h[back] = [((_r(2, 3, *[5] * n), x, grid, 0, 0, False, m), {}) for m in ([True, True], [False, True])]
+    x4, x5 = _r(2, 3, 4, 4), _r(2, 3, 4, 4, 4)
+    i5 = torch.nn.functional.max_pool3d(x5, 2, return_indices=True)[1]
+    h[aten.max_pool3d_with_indices_backward.default] = [
+        ((_r(2, 3, 2, 2, 2), x5, [2] * 3, [2] * 3, [0] * 3, [1] * 3, False, i5), {})
+    ]
+    h[aten.adaptive_max_pool2d_backward.default] = [
+        ((_r(2, 3, 2, 2), x4, torch.ops.aten.adaptive_max_pool2d(x4, [2, 2])[1]), {})
+    ]
+    h[aten.adaptive_max_pool3d_backward.default] = [
+        ((_r(2, 3, 2, 2, 2), x5, torch.ops.aten.adaptive_max_pool3d(x5, [2, 2, 2])[1]), {})
+    ]
+    for op in (aten.softshrink_backward.default, aten.hardshrink_backward.default):
+        h[op] = [((_r(3, 4), _r(3, 4) - 1, 0.5), {})]
+    h[aten.new_empty_strided.default] = [((x4, [3, 4], [4, 1]), {})]
+    h[aten._efficientzerotensor.default] = [(([3, 4],), {"dtype": torch.float64})]
+    h[aten.multi_margin_loss_backward.default] = [((_r(()), _r(3, 4), _i(3, hi=4), 1, 1.0), {})]
+    h[aten.multilabel_margin_loss_backward.default] = [
+        (
+            (
+                _r(()),
+                _r(3, 4),
+                torch.tensor([[1, -1, 0, 0]] * 3),
+                1,
+                torch.tensor([[0, 1, 0, 0]] * 3).double(),
+            ),
+            {},
+        )
+    ]
     h[aten._adaptive_avg_pool2d_backward.default] = [((_r(2, 3, 2, 2), _r(2, 3, 4, 4)), {})]
     h[aten._adaptive_avg_pool3d_backward.default] = [((_r(2, 3, 2, 2, 2), _r(2, 3, 4, 4, 4)), {})]
     return h

@@ -134,11 +134,9 @@ def whole(node: Node) -> Built:
     """Every dim of every operand and result stays whole: the op runs on gathered inputs, each
     device computing the full result (flat positions, data-dependent placement, mixed contractions)."""
     operands = tensor_args(node)
-    for a in [*node.args, *node.kwargs.values()]:  # tensors in lists and keywords too
+    for a in node.args:  # tensors in lists too
         if isinstance(a, (list, tuple)):
             operands += [t for t in a if isinstance(t, Node)]
-        elif isinstance(a, Node) and a not in node.args:
-            operands.append(a)
     vals = node.meta["val"]
     outs = list(vals) if isinstance(vals, (tuple, list)) else [vals]
     ins = [[f"i{j}_{k}!" for k in range(len(shape_of(o)))] for j, o in enumerate(operands)]

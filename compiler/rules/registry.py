@@ -272,6 +272,13 @@ for _op in (
     aten._embedding_bag_per_sample_weights_backward.default,
     aten._embedding_bag_dense_backward.default,
     aten.masked_scatter_backward.default,
+    aten.multi_margin_loss_backward.default,
+    aten.hash_tensor.default,
+    aten.nonzero_static.default,
+    aten._histogramdd_bin_edges.default,
+    aten._histogramdd_from_bin_tensors.default,
+    aten._histogramdd_from_bin_cts.default,
+    aten.multilabel_margin_loss_backward.default,
 ):
     REGISTRY[_op] = ix.whole
 REGISTRY.update(
@@ -291,6 +298,13 @@ REGISTRY.update(
         aten._conj_copy.default: partial(b.elementwise, linear="none"),
         aten._conj_physical.default: partial(b.elementwise, linear="none"),
         aten.conj_physical.default: partial(b.elementwise, linear="none"),
+        aten.max_pool3d_with_indices_backward.default: partial(sp.pool_grad, spatial=3, idx_arg=7),
+        aten.adaptive_max_pool2d_backward.default: partial(sp.pool_grad, spatial=2, idx_arg=2),
+        aten.adaptive_max_pool3d_backward.default: partial(sp.pool_grad, spatial=3, idx_arg=2),
+        aten.softshrink_backward.default: partial(b.elementwise, linear="first"),
+        aten.hardshrink_backward.default: partial(b.elementwise, linear="first"),
+        aten.new_empty_strided.default: b.creation,
+        aten._efficientzerotensor.default: b.creation,
         aten._adaptive_avg_pool2d_backward.default: partial(sp.pad_backward, spatial=2),
         aten._adaptive_avg_pool3d_backward.default: partial(sp.pad_backward, spatial=3),
         aten.grid_sampler_2d.default: tf.grid_sampler,
@@ -325,6 +339,9 @@ NO_EMPTY_BLOCKS = {
     aten.grid_sampler_3d.default,
     aten._adaptive_avg_pool2d_backward.default,
     aten._adaptive_avg_pool3d_backward.default,
+    aten.max_pool3d_with_indices_backward.default,
+    aten.adaptive_max_pool2d_backward.default,
+    aten.adaptive_max_pool3d_backward.default,
 }
 
 
@@ -333,6 +350,12 @@ def rule_for(node: Node) -> tuple[Rule, list[Node]]:
     build = REGISTRY.get(node.target)
     if build is None:
         raise MissingRule(str(node.target))
+    keyword_tensors: list[Node] = []
+    torch.fx.node.map_arg(node.kwargs, keyword_tensors.append)
+    if keyword_tensors:
+        # the lowering places positional operands only: a tensor passed by keyword would reach
+        # the kernel as whatever block its producer left (segment_reduce's lengths=, weight=)
+        raise MissingRule(f"{node.target} (a tensor passed by keyword)")
     try:
         text, linear, operands = build(node)
     except (KeyError, IndexError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:

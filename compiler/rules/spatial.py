@@ -128,3 +128,14 @@ def pad_backward(node: Node, spatial: int) -> Built:
     g = [*lead, *(f"g{k}!" for k in range(spatial))]
     s = [*lead, *(f"s{k}!" for k in range(spatial))]
     return line([g, s], [s]), "first", [grad, x]
+
+
+def pool_grad(node: Node, spatial: int, idx_arg: int) -> Built:
+    """max_pool*_with_indices_backward / adaptive_max_pool*_backward(grad, x, ..., indices):
+    (batch, channel) pass through, the pooled dims stay whole; linear in grad."""
+    grad, x, idx = arg(node, 0), arg(node, 1), arg(node, idx_arg)
+    n = len(shape_of(x))
+    lead = [f"l{k}" for k in range(n - spatial)]
+    g = [*lead, *(f"g{k}!" for k in range(spatial))]
+    s = [*lead, *(f"s{k}!" for k in range(spatial))]
+    return line([g, s, g], [s]), "first", [grad, x, idx]
