@@ -272,3 +272,22 @@ def test_explain_lists_each_launch_with_the_tensors_in_it():
     text = low.explain()
     assert text.count("\n[") == low.cost().collective_count
     assert "one bucket of" in text and text.count("why: ") == len(low.collectives())
+
+
+def test_norm_kernels_get_dense_operands_from_views_and_buckets():
+    """Group norm reads its weight as dense memory: a bucketed gather's strided slice gave a wrong
+    answer, a view of a softmax over dim 0 an internal error; both now match with the passes on."""
+    import torch.nn.functional as F
+
+    def a(x, w, b):
+        return F.group_norm((1.0 - x) * 2, 1, w, b)
+
+    def b(x, w, b):
+        return F.group_norm(torch.softmax(x, 0) * 2, 1, w, b)
+
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((2, 2), (2,), (2,)))
+    mesh = Mesh({"dp": 2}, simulate=True)
+    for fn, specs in ((a, (P(), P("dp"), P("dp"))), (b, (P(None, "dp"), P(), P("dp")))):
+        step = sharded(fn, mesh=mesh, in_specs=specs, out_specs=P())
+        torch.testing.assert_close(step(x, w, bias), fn(x, w, bias))

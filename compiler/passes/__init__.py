@@ -35,7 +35,7 @@ from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
 from compiler.passes.overlap import overlap, overlap_
 from compiler.passes.regather import mark_backward, regather, regather_
-from compiler.passes.views import dense_results, dense_results_, views, views_
+from compiler.passes.views import dense_kernel_inputs_, dense_results, dense_results_, views, views_
 from shardspec.errors import fail
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
@@ -109,6 +109,7 @@ def optimize(
         overlap_(gm)
     if opts.views or opts.bucket:
         dense_results_(gm)
+        dense_kernel_inputs_(gm)
     gm.recompile()
     return gm
 

@@ -113,3 +113,39 @@ def dense_results_(gm: GraphModule) -> None:
     out.args = tuple(
         tuple(dense(a) for a in arg) if isinstance(arg, (tuple, list)) else dense(arg) for arg in out.args
     )
+
+
+# ATen CPU kernels that read their tensor operands as dense memory: with a strided view they raise
+# (group norm's input) or silently compute garbage (group norm's weight, both norms' backward).
+DENSE_KERNELS = frozenset(
+    {
+        aten.native_group_norm.default,
+        aten.native_group_norm_backward.default,
+        aten.native_layer_norm.default,
+        aten.native_layer_norm_backward.default,
+        aten.native_batch_norm.default,
+        aten.native_batch_norm_backward.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit_functional.default,
+        aten._native_batch_norm_legit_no_training.default,
+    }
+)
+
+
+def dense_kernel_inputs_(gm: GraphModule) -> None:
+    """Give the kernels of ``DENSE_KERNELS`` contiguous operands (a no-op at run time where they are)."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in DENSE_KERNELS:
+            continue
+        made: dict[Node, Node] = {}
+
+        def dense(a: object, n: Node = n, made: dict[Node, Node] = made) -> object:
+            if not isinstance(a, Node):
+                return a
+            if a not in made:
+                with gm.graph.inserting_before(n):
+                    made[a] = gm.graph.call_function(aten.contiguous.default, (a,))
+                made[a].meta = dict(a.meta)
+            return made[a]
+
+        n.args = tuple([dense(x) for x in a] if isinstance(a, (list, tuple)) else dense(a) for a in n.args)
