@@ -288,6 +288,6 @@ def test_norm_kernels_get_dense_operands_from_views_and_buckets():
     g = torch.Generator().manual_seed(0)
     x, w, bias = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((2, 2), (2,), (2,)))
     mesh = Mesh({"dp": 2}, simulate=True)
-    for fn, specs in ((a, (P(), P("dp"), P("dp"))), (b, (P(None, "dp"), P(), P("dp")))):
-        step = sharded(fn, mesh=mesh, in_specs=specs, out_specs=P())
+    for fn, in_specs in ((a, (P(), P("dp"), P("dp"))), (b, (P(None, "dp"), P(), P("dp")))):
+        step = sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=P())
         torch.testing.assert_close(step(x, w, bias), fn(x, w, bias))
