@@ -17,6 +17,7 @@ import torch
 
 import shardspec
 from shardspec import Mesh, P, constrain, optim, shard, sharded, spec_to_placements, unshard
+from tests._custom_ops import doubled
 
 SIM = Mesh({"dp": 2, "tp": 2}, simulate=True)
 DP = Mesh({"dp": 2}, simulate=True)
@@ -78,7 +79,7 @@ def _returns_float(x: torch.Tensor) -> Any:
 
 
 def _no_rule(x: torch.Tensor) -> torch.Tensor:
-    return torch.cdist(x, x).sum()
+    return doubled(x).sum()
 
 
 def _bad_constraint(x: torch.Tensor) -> torch.Tensor:
@@ -294,7 +295,7 @@ CASES: tuple[Case, ...] = (
         "ops",
         "an op without a sharding rule",
         lambda: _step(_no_rule, (P("dp"),), P())(X),
-        ("no sharding rule for aten._cdist_forward", "torch.cdist(x, x)", "unsupported='replicate'"),
+        ("no sharding rule for shardspec_tests.doubled", "doubled(x).sum()", "unsupported='replicate'"),
     ),
     Case(
         "ops",
