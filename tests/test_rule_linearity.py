@@ -122,7 +122,7 @@ def _hand() -> dict[Any, list[Call]]:
         aten.scatter_add.default: [((x, 1, _i(3, 2, hi=4), _r(3, 2)), {})],
         aten.scatter_reduce.two: [((x, 1, _i(3, 2, hi=4), _r(3, 2), "sum"), {})],
         aten.scatter.value: [((x, 1, _i(3, 2, hi=4), 2.0), {})],
-        aten.scatter.src: [((x, 1, _i(3, 2, hi=4), _r(3, 2)), {})],
+        aten.scatter.src: [((x, 1, _i(3, 2, hi=4), _r(3, 2)), {}), ((x, 0, _i(2, 4), _r(3, 5)), {})],
         aten.bucketize.Tensor: [((x, torch.tensor([0.7, 1.0, 1.2], dtype=torch.float64)), {})],
         aten.searchsorted.Tensor: [((torch.tensor([0.7, 1.0, 1.2], dtype=torch.float64), x), {})],
         aten.addmv.default: [((_r(3), x, _r(4)), {})],

@@ -255,8 +255,13 @@ def scatter(node: Node) -> Built:
     xt, it = _index_tokens(shape_of(x), shape_of(idx), dim, index_dim_whole=True)
     operands, tokens = [x, idx], [xt, it]
     if src is not None:
+        # src may be larger than the index (only its leading part is read): where it is, the
+        # index's blocks would not line up with src's, so that dim stays whole
+        ss, ids = shape_of(src), shape_of(idx)
+        st = [t if ss[k] == ids[k] else f"s{k}!" for k, t in enumerate(it)]
+        it = [t if ss[k] == ids[k] or t.endswith("!") else t + "!" for k, t in enumerate(it)]
         operands.append(src)
-        tokens.append(it)
+        tokens = [xt, it, st]
     return line(tokens, [xt]), "none", operands
 
 
