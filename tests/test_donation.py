@@ -116,3 +116,27 @@ def test_real_mesh_results_reuse_the_donated_local_storage():
     for r in run_distributed(_donate_on_gloo, 4, timeout=120):
         assert r["reused"] and r["close"]
         assert "was donated" in r["refused"]
+
+
+def test_donation_on_uneven_blocks_keeps_global_shapes():
+    """5 rows over 3 devices are blocks of 2, 2, 1: donation used to rebuild 6 rows from them."""
+    opt = optim.adamw(lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    params = mlp.init(8, 5, 5)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
+    pspec = {"w1": P("a"), "b1": P(), "w2": P("a")}
+    sspec = opt.state_specs(pspec)
+    step = sharded(
+        mlp.make_step(opt),
+        mesh=Mesh({"a": 3}, simulate=True),
+        in_specs=(pspec, sspec, P(None, "a"), P()),
+        out_specs=(pspec, sspec, P()),
+        donate=(0, 1),
+    )
+    ref = mlp.make_step(opt)
+    got, want = (params, opt.init(params)), (params, opt.init(params))
+    for _ in range(2):
+        got = step(*got, x, y)[:2]
+        want = ref(*want, x, y)[:2]
+    for k in params:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-4, atol=1e-5)

@@ -95,6 +95,7 @@ def optimize(
         # shorter, shapes do not propagate (nor through an op without a fake kernel). Bucketing
         # needs them; the other passes do not.
         opts = replace(opts, bucket=False)
+    original = gm
     gm = copy_module(gm)  # once: the passes below rewrite this copy in place (each also exists pure)
     if opts.views:
         views_(gm)
@@ -102,7 +103,11 @@ def optimize(
         mark_backward(gm, set(backward))
         regather_(gm)
     if opts.bucket:
-        bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
+        try:
+            bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
+            gm.graph.lint()
+        except RuntimeError:  # a bucket placed a use before its launch: run this program unbucketed
+            return optimize(original, inputs, replace(opts, bucket=False), backward)
     if opts.inplace:
         inplace_(gm)
     if opts.overlap:
@@ -144,6 +149,10 @@ def donate_programs(
                 "unchanged; a donated buffer is overwritten with the step's results.",
                 f"do not donate the argument holding {traced.in_paths[i]}, or return a new value.",
             )
+    if not all(p is programs[0] for p in programs):
+        # uneven layouts: shape propagation gives every rank block 0's shapes, so a shorter block
+        # would be written into a buffer of the wrong size; their programs keep fresh results
+        return tuple(programs)
     done: dict[int, GraphModule] = {}
     for gm, ins in zip(programs, inputs, strict=True):
         if id(gm) not in done:
