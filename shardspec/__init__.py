@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from compiler import Lowered, constrain, sharded, value_and_grad
 
 _COMPILER = ("Lowered", "constrain", "sharded", "value_and_grad")
+# Names whose modules load on first use (module, attribute).
+_LAZY = {
+    "Pipeline": ("shardspec.pipeline", "Pipeline"),
+    "pipeline_boundary": ("compiler.pipeline.boundary", "pipeline_boundary"),
+    "remat": ("compiler.checkpointing", "remat"),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -39,6 +45,9 @@ def __getattr__(name: str) -> Any:
         import compiler
 
         return getattr(compiler, name)
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'shardspec' has no attribute {name!r}")
 
 
