@@ -9,7 +9,7 @@ exactly (decoupled weight decay, bias correction), so a step compares against to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -45,7 +45,7 @@ class AdamW:
     lr: float
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-2
 
     def init(self, params: Any) -> dict[str, Any]:
         return {
@@ -58,23 +58,100 @@ class AdamW:
         return {"step": P(), "m": param_specs, "v": param_specs}
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
-        b1, b2 = self.betas
         step = state["step"] + 1
-        m = _map(lambda m_, g: b1 * m_ + (1 - b1) * g, state["m"], grads)
-        v = _map(lambda v_, g: b2 * v_ + (1 - b2) * g * g, state["v"], grads)
-        bias1 = 1 - torch.pow(b1, step)
-        bias2_sqrt = torch.sqrt(1 - torch.pow(b2, step))
+        hyper = (self.lr, *self.betas, self.eps, self.weight_decay)
+        new = _map(
+            lambda p, g, m_, v_: _adamw_tensor(p, g, m_, v_, step, hyper),
+            params,
+            grads,
+            state["m"],
+            state["v"],
+        )
+        outer = optree.tree_structure(params, none_is_leaf=False)
+        p_new, m, v = optree.tree_transpose(outer, optree.tree_structure(cast(Any, (0, 0, 0))), new)
+        return p_new, {"step": step, "m": m, "v": v}
 
-        def apply(p: torch.Tensor, m_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
-            decayed = p * (1 - self.lr * self.weight_decay) if self.weight_decay else p
-            denom = torch.sqrt(v_) / bias2_sqrt + self.eps
-            return decayed - (self.lr / bias1) * m_ / denom
 
-        return _map(apply, params, m, v), {"step": step, "m": m, "v": v}
+def _adamw_tensor(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    hyper: tuple[float, float, float, float, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One parameter's AdamW update: one traced node (``shardspec::adamw``, an elementwise rule)
+    where the shapes and dtypes agree, else the same formula in plain ops."""
+    if (
+        p.shape == g.shape == m.shape == v.shape
+        and p.dtype == g.dtype == m.dtype == v.dtype
+        and step.dim() == 0
+    ):
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.ops.shardspec.adamw(
+            p, g, m, v, step, *hyper
+        )
+        return out
+    lr, b1, b2, eps, wd = hyper
+    m = torch.lerp(m, g, 1 - b1)
+    v = v * b2 + (1 - b2) * g * g
+    bias1 = 1 - torch.pow(b1, step)
+    bias2_sqrt = torch.sqrt(1 - torch.pow(b2, step))
+    decayed = p * (1 - lr * wd) if wd else p
+    return decayed - (lr / bias1) * m / (torch.sqrt(v) / bias2_sqrt + eps), m, v
+
+
+@torch.library.custom_op("shardspec::adamw", mutates_args=())
+def _adamw_op(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.optim.AdamW's single-tensor update (the same kernels in the same order, so the same
+    bits) on fresh buffers: ``step`` is the new step count. One node in the traced step instead of
+    a dozen elementwise ones, each kernel writing in place into the buffers it returns."""
+    t = float(step)
+    p_new = p * (1 - lr * weight_decay)
+    m_new = torch.lerp(m, g, 1 - beta1)
+    v_new = v * beta2
+    v_new.addcmul_(g, g, value=1 - beta2)
+    bias1 = 1 - beta1**t
+    bias2_sqrt = (1 - beta2**t) ** 0.5
+    denom = (v_new.sqrt() / bias2_sqrt).add_(eps)
+    p_new.addcdiv_(m_new, denom, value=-lr / bias1)
+    return p_new, m_new, v_new
+
+
+@_adamw_op.register_fake
+def _(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)
 
 
 def sgd(lr: float, momentum: float = 0.0) -> SGD:
-    """Stochastic gradient descent, with optional (heavy-ball) momentum."""
+    """Stochastic gradient descent, with optional (heavy-ball) momentum, as torch.optim.SGD.
+
+    Example::
+
+        opt = optim.sgd(lr=0.1, momentum=0.9)
+        params, state = opt.update(grads, opt.init(params), params)
+    """
     if lr <= 0 or momentum < 0:
         raise fail(
             f"sgd(lr={lr}, momentum={momentum}): lr must be > 0 and momentum >= 0.",
@@ -84,9 +161,20 @@ def sgd(lr: float, momentum: float = 0.0) -> SGD:
 
 
 def adamw(
-    lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
 ) -> AdamW:
-    """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW."""
+    """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+
+    The defaults are torch.optim.AdamW's (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay
+    1e-2), so ``adamw()`` and ``torch.optim.AdamW(params)`` take the same steps. Example::
+
+        opt = optim.adamw(lr=3e-4)
+        state = opt.init(params)
+        params, state = opt.update(grads, state, params)
+    """
     if lr <= 0 or not all(0 <= b < 1 for b in betas) or eps <= 0 or weight_decay < 0:
         raise fail(
             f"adamw(lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}): out of range.",

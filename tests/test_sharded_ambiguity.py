@@ -10,7 +10,7 @@ from compiler.reshard import Step
 from examples.models import mlp
 from shardspec import Mesh, P, ShardingError, optim, sharded
 
-OPT = optim.adamw(lr=1e-2)
+OPT = optim.adamw(lr=1e-2, weight_decay=0.0)
 STEP = mlp.make_step(OPT)
 MESH = Mesh({"dp": 2}, simulate=True)
 PSPEC = {"w1": P(), "b1": P(), "w2": P()}

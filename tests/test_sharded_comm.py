@@ -15,7 +15,7 @@ from shardspec import Mesh, P, optim, sharded
 N = 4
 PHI = (N - 1) / N
 D_IN, D_HIDDEN, D_OUT, BATCH = 8, 16, 4, 16
-OPT = optim.adamw(lr=1e-2)
+OPT = optim.adamw(lr=1e-2, weight_decay=0.0)
 STEP = mlp.make_step(OPT)
 
 

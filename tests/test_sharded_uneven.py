@@ -6,7 +6,7 @@ import torch
 from examples.models import mlp
 from shardspec import Mesh, P, local_shape, optim, sharded
 
-OPT = optim.adamw(lr=1e-2)
+OPT = optim.adamw(lr=1e-2, weight_decay=0.0)
 STEP = mlp.make_step(OPT)
 
 

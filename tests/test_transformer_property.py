@@ -14,7 +14,7 @@ from examples.models import gpt, llama
 from shardspec import P, optim, sharded
 from tests.strategies import meshes, specs
 
-OPT = optim.adamw(lr=1e-3, eps=1e-6)  # eps: see test_transformers.py
+OPT = optim.adamw(lr=1e-3, eps=1e-6, weight_decay=0.0)  # eps: see test_transformers.py
 
 
 @settings(max_examples=12, deadline=None)
