@@ -30,6 +30,9 @@ _REDUCE = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
+# torch 2.13 renamed the flat-tensor collectives (the old names warn FutureWarning on every call)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _Group:
@@ -65,7 +68,7 @@ def _exchange_lengths(g: _Group, length: int) -> list[int]:
     """All members' lengths along a dim, by position (metadata: counted apart)."""
     mine = torch.tensor([length], dtype=torch.int64)
     out = torch.empty(g.n, dtype=torch.int64)
-    dist.all_gather_into_tensor(out, mine, group=g.pg)
+    _all_gather_flat(out, mine, group=g.pg)
     accounting.record_metadata({g.rank: 8 * (g.n - 1)})
     by_grank = out.tolist()
     lengths = [0] * g.n
@@ -94,7 +97,7 @@ def all_gather(
         front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
     out = front.new_empty((g.n * longest, *front.shape[1:]))
     even = all(n == longest for n in lengths)
-    work = dist.all_gather_into_tensor(out, front, group=g.pg, async_op=async_op and even and g.identity)
+    work = _all_gather_flat(out, front, group=g.pg, async_op=async_op and even and g.identity)
     if work is not None:
         result = out.movedim(0, dim)
         _pending[result.untyped_storage().data_ptr()] = work
@@ -131,7 +134,7 @@ def reduce_scatter(
     out = front.new_empty((block, *front.shape[1:]))
     start, stop = chunk_bounds(length, g.n, g.pos)
     result = out[: stop - start].movedim(0, dim)
-    work = dist.reduce_scatter_tensor(
+    work = _reduce_scatter_flat(
         out, send, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg" and send is front
     )
     if work is not None:

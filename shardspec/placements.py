@@ -4,19 +4,23 @@ DTensor describes a sharding per *mesh* dim (``placements[i]`` says what mesh ax
 *tensor* dim. A tensor dim split over several axes maps to several ``Shard(d)`` placements; DTensor
 nests those splits in mesh-dim order, so it can express a P tuple only when the tuple lists its axes in
 mesh order, and, for uneven lengths, only where nested torch.chunk blocks coincide with flat ones.
+
+``torch.distributed.tensor`` is imported on first use (it takes about 2 s to import), so importing
+shardspec for a simulated mesh does not pay for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from typing import TYPE_CHECKING
 
 from shardspec.errors import fail
 from shardspec.layout import check_spec, chunk_bounds
 from shardspec.mesh import Mesh
 from shardspec.spec import P
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.placement_types import Placement
 
 
 def spec_to_placements(
@@ -25,8 +29,13 @@ def spec_to_placements(
     """DTensor placements (one per mesh axis) equivalent to ``spec``.
 
     Pass ``shape`` to also check uneven splits of a dim over several axes, where DTensor's nested
-    chunking would place data differently from P's flat chunking.
+    chunking would place data differently from P's flat chunking. Example::
+
+        >>> spec_to_placements(P("dp", None), Mesh({"dp": 2, "tp": 2}, simulate=True))
+        (Shard(dim=0), Replicate())
     """
+    from torch.distributed.tensor import Replicate, Shard
+
     check_spec(shape, mesh, spec, name=name, ndim=None if shape is not None else len(spec))
     placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
     order = {axis: i for i, axis in enumerate(mesh.axis_names)}
@@ -55,7 +64,15 @@ def spec_to_placements(
 
 
 def placements_to_spec(placements: Sequence[Placement], mesh: Mesh, ndim: int, *, name: str = "x") -> P:
-    """The ``P`` equivalent to DTensor ``placements`` on ``mesh`` for a tensor of rank ``ndim``."""
+    """The ``P`` equivalent to DTensor ``placements`` on ``mesh`` for a tensor of rank ``ndim``.
+
+    Example::
+
+        >>> placements_to_spec((Shard(0), Replicate()), Mesh({"dp": 2, "tp": 2}, simulate=True), 2)
+        P('dp')
+    """
+    from torch.distributed.tensor import Shard
+
     if len(placements) != len(mesh.axis_names):
         raise fail(
             f"{name}: {len(placements)} placements {tuple(placements)} for {mesh.describe()}, which "
