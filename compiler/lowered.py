@@ -13,7 +13,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from collectives import accounting
 from compiler.passes.graph import LAUNCHES, aliases_input
 from compiler.passes.regather import AGAIN
+from compiler.passes.remat import AGAIN as REMAT_AGAIN
+from compiler.sharding import Sharding
+from compiler.sources import source_of
 from shardspec.layout import local_shape
+from shardspec.spec import P
 
 if TYPE_CHECKING:
     from compiler.partition import Inserted
@@ -37,6 +41,16 @@ class Cost:
     collective_count: int  # launches: a bucket of several tensors is one
     peak_memory_bytes_per_rank: int
     bytes_by_kind: dict[str, float]
+    # model states per rank (ZeRO's count): parameters and optimizer state the step carries, their
+    # gradients as the update reads them, and compute copies of parameters (a bf16 cast of an fp32
+    # master), each at the layout it is held in
+    model_state_bytes_per_rank: int = 0
+    state_bytes_per_rank: int = 0  # parameters + optimizer state (the carried arguments)
+    grad_bytes_per_rank: int = 0
+    compute_param_bytes_per_rank: int = 0
+    # the largest live sum of activations alone (forward values computed from the batch, and
+    # their recomputations by remat): what remat reduces
+    activation_peak_bytes_per_rank: int = 0
 
 
 class Lowered:
@@ -58,7 +72,7 @@ class Lowered:
 
     def collectives(self) -> list[CollectiveInfo]:
         """One record per tensor moved: the partitioner's, then the passes' re-gathers."""
-        again = [c for launch in self.launches() for c in launch if c.node.endswith(AGAIN)]
+        again = [c for launch in self.launches() for c in launch if c.node.endswith((AGAIN, REMAT_AGAIN))]
         return [
             CollectiveInfo(c.kind, c.axes, c.shape, c.dtype, c.bytes_per_rank, c.reason, c.source)
             for c in (*self.program.inserted, *again)
@@ -71,6 +85,9 @@ class Lowered:
         for c in self.program.inserted:  # a parameter gathered again for backward (regather)
             by_node[c.node + AGAIN] = replace(
                 c, reason=c.reason + "; gathered again for backward (regather)", node=c.node + AGAIN
+            )
+            by_node[c.node + REMAT_AGAIN] = replace(  # run again by a remat region's recomputation
+                c, reason=c.reason + "; recomputed for backward (remat)", node=c.node + REMAT_AGAIN
             )
         out = []
         for n in self.program.programs[rank].graph.nodes:
@@ -90,7 +107,20 @@ class Lowered:
             sent = self._launch_bytes(launch)
             by_kind[launch[0].kind] = by_kind.get(launch[0].kind, 0.0) + sent
             total += sent
-        return Cost(total, len(launches), self.peak_memory(), by_kind)
+        peak = self.peak_memory()
+        carried, grads, compute = model_state(self.program)
+        acts = self.activation_peak()
+        return Cost(
+            total,
+            len(launches),
+            peak,
+            by_kind,
+            model_state_bytes_per_rank=carried + grads + compute,
+            state_bytes_per_rank=carried,
+            grad_bytes_per_rank=grads,
+            compute_param_bytes_per_rank=compute,
+            activation_peak_bytes_per_rank=acts,
+        )
 
     def _launch_bytes(self, launch: list[Inserted]) -> float:
         """Bytes per rank of one launch, by the formula the backend applies to the flat buffer."""
@@ -106,6 +136,19 @@ class Lowered:
     def peak_memory(self, rank: int = 0) -> int:
         """Largest sum of live tensor bytes over the program: arguments held throughout,
         intermediates from definition to last use, results to the end."""
+        return max(live for _, live in self.memory_profile(rank))
+
+    def activation_peak(self, rank: int = 0) -> int:
+        """Largest sum of live activation bytes: values computed in forward from the batch (the
+        arguments the step does not carry), and their recomputations; not parameters, gathered
+        parameters, gradients or optimizer values."""
+        return max(live for _, live in self.memory_profile(rank, _activations(self.program, rank)))
+
+    def memory_profile(
+        self, rank: int = 0, only: set[torch.fx.Node] | None = None
+    ) -> list[tuple[torch.fx.Node | None, int]]:
+        """Live tensor bytes after each op of the program (``None``: before the first op), by
+        the liveness ``peak_memory`` takes the largest of (``only``: count just these buffers)."""
         p = self.program
         gm = p.programs[rank]
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -134,7 +177,7 @@ class Lowered:
         outputs = {root[a] for a in nodes[-1].all_input_nodes}
 
         def size(n: torch.fx.Node) -> int:
-            if root[n] is not n:
+            if root[n] is not n or (only is not None and n not in only):
                 return 0
             v = n.meta.get("val")
             vals = v if isinstance(v, (tuple, list)) else [v]
@@ -145,13 +188,13 @@ class Lowered:
             if a.op != "placeholder" and a not in outputs:
                 free_at.setdefault(i, set()).add(a)
         live = sum(size(n) for n in nodes if n.op == "placeholder")
-        peak = live
+        curve: list[tuple[torch.fx.Node | None, int]] = [(None, live)]
         for i, n in enumerate(nodes):
             if n.op in ("call_function", "get_attr"):
                 live += size(n)
-                peak = max(peak, live)
+                curve.append((n, live))  # the op's result and its inputs are live together
             live -= sum(size(a) for a in free_at.get(i, ()))
-        return peak
+        return curve
 
     def explain(self) -> str:
         """Each launch: kind, axes, bytes per rank; for each tensor in it, why and the user line."""
@@ -186,6 +229,92 @@ class Lowered:
         for note in self.program.prop.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
+
+
+def model_state(program: Program, rank: int = 0) -> tuple[int, int, int]:
+    """ZeRO's model states on ``rank``, in bytes: (carried arguments, gradients, compute copies).
+
+    Carried: a tensor argument the step returns a new value of (same global shape, dtype and
+    spec: parameters, optimizer moments), at its input layout. Gradients: a value computed in
+    backward that a forward-side op (the optimizer) reads, at the layout that op reads it (so a
+    reduce-scattered gradient counts 1/N, an all-reduced one whole). Compute copies: a cast of a
+    carried argument (``p.to(torch.bfloat16)``), at the layout propagation holds it in.
+    """
+    p, traced, mesh = program, program.traced, program.mesh
+    placeholders = [n for n in traced.module.graph.nodes if n.op == "placeholder"]
+    carried_nodes = {placeholders[i] for i in _carried(program)}
+    carried = sum(
+        _bytes(local_shape(traced.inputs[i].shape, mesh, p.in_specs[i], rank), traced.inputs[i].dtype)
+        for i in _carried(program)
+    )
+    backward = {n for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")}
+    grads = compute = 0
+    for n in traced.module.graph.nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        if n in backward:
+            readers = [u for u in n.users if u not in backward and u.op == "call_function"]
+            if readers:
+                grads += _bytes(_held_shape(p, n, readers[0], rank), v.dtype)
+        elif n.target in _CASTS and n.args and n.args[0] in carried_nodes and v.dtype != _dtype(n.args[0]):
+            spec = p.prop.value[n].spec if isinstance(p.prop.value.get(n), Sharding) else P()
+            compute += _bytes(local_shape(tuple(v.shape), mesh, spec, rank), v.dtype)
+    return carried, grads, compute
+
+
+def _carried(program: Program) -> list[int]:
+    """Tensor inputs the step returns a new value of (same global shape, dtype and spec)."""
+    traced = program.traced
+    free = [(o.shape, o.dtype, s) for o, s in zip(traced.outputs, program.out_specs, strict=True)]
+    out = []
+    for i, (info, spec) in enumerate(zip(traced.inputs, program.in_specs, strict=True)):
+        if (info.shape, info.dtype, spec) in free:
+            free.remove((info.shape, info.dtype, spec))
+            out.append(i)
+    return out
+
+
+def _activations(program: Program, rank: int) -> set[torch.fx.Node]:
+    """Nodes of ``rank``'s program computed in forward from a non-carried argument (the batch),
+    and their recomputations for backward (remat)."""
+    gm = program.programs[rank]
+    backward = {n.name for n in program.traced.module.graph.nodes if source_of(n).startswith("backward of ")}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    carried = {placeholders[i] for i in _carried(program)}
+    acts: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        # a remat copy keeps its forward origin, so it counts as the value it recomputes
+        if n.meta.get("shardspec_origin") not in backward and any(
+            a in acts or (a.op == "placeholder" and a not in carried) for a in n.all_input_nodes
+        ):
+            acts.add(n)
+    return acts
+
+
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def _dtype(n: object) -> torch.dtype | None:
+    v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _held_shape(p: Program, n: torch.fx.Node, reader: torch.fx.Node, rank: int) -> tuple[int, ...]:
+    """Local shape of ``n`` as ``reader`` reads it (its required layout), else as propagated."""
+    shape = tuple(n.meta["val"].shape)
+    plan = p.prop.plans.get(reader)
+    held = p.prop.value.get(n)
+    if plan is not None and n in plan.operands:
+        held = plan.required[plan.operands.index(n)]
+    spec = held.spec if isinstance(held, Sharding) else P()
+    return local_shape(shape, p.mesh, spec, rank)
 
 
 def _shares_storage(n: torch.fx.Node, src: torch.fx.Node) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from compiler import passes as program_passes
+from compiler.checkpointing import regions
 from compiler.partition import Inserted, partition
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
@@ -166,7 +167,8 @@ def compile_program(
         n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
     )  # regather tells forward from backward uses by these
     opts = program_passes.options(passes)
-    programs = list(program_passes.optimize_programs(programs, local_inputs, opts, backward))
+    remat = regions(traced.module)  # ops inside shardspec.remat, recomputed for backward
+    programs = list(program_passes.optimize_programs(programs, local_inputs, opts, backward, remat))
     if donated:
         programs = list(program_passes.donate_programs(programs, local_inputs, traced, donated))
     return Program(

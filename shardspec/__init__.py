@@ -67,6 +67,7 @@ __all__ = [
     "local_shape",
     "optim",
     "placements_to_spec",
+    "remat",
     "shard",
     "sharded",
     "spec_to_placements",

@@ -3,6 +3,7 @@
 | pass        | what it does                                                                 | default |
 |-------------|------------------------------------------------------------------------------|---------|
 | ``views``   | functionalization's ``*_copy`` ops become views (``view_copy`` -> reshape)     | on      |
+| ``remat``   | a ``shardspec.remat`` region's values backward reads are recomputed there      | on      |
 | ``regather``| a parameter gathered for forward and backward is gathered again for backward   | on      |
 | ``bucket``  | same-kind collectives merged into flat-buffer launches of ``bucket_bytes``     | on      |
 | ``inplace`` | an all-reduce of a buffer nothing else reads reduces it in place               | on      |
@@ -35,16 +36,18 @@ from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
 from compiler.passes.overlap import overlap, overlap_
 from compiler.passes.regather import mark_backward, regather, regather_
+from compiler.passes.remat import Regions, remat, remat_
 from compiler.passes.views import dense_kernel_inputs_, dense_results, dense_results_, views, views_
 from shardspec.errors import fail
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
-NAMES = ("views", "regather", "bucket", "inplace", "overlap")
+NAMES = ("views", "remat", "regather", "bucket", "inplace", "overlap")
 
 
 @dataclass(frozen=True)
 class PassOptions:
     views: bool = True
+    remat: bool = True
     regather: bool = True
     bucket: bool = True
     inplace: bool = True
@@ -82,11 +85,16 @@ Inputs = Sequence[tuple[Sequence[int], torch.dtype]]
 
 
 def optimize(
-    gm: GraphModule, inputs: Inputs, opts: PassOptions, backward: frozenset[str] = frozenset()
+    gm: GraphModule,
+    inputs: Inputs,
+    opts: PassOptions,
+    backward: frozenset[str] = frozenset(),
+    regions: Regions | None = None,
 ) -> GraphModule:
     """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes;
-    ``backward``: the names of the traced ops that ran in backward, for ``regather``)."""
-    if not any((opts.views, opts.regather, opts.bucket, opts.inplace, opts.overlap)):
+    ``backward``: the names of the traced ops that ran in backward, for ``regather`` and ``remat``;
+    ``regions``: traced op name -> (remat region, kept by its policy), for ``remat``)."""
+    if not any((opts.views, opts.remat, opts.regather, opts.bucket, opts.inplace, opts.overlap)):
         return gm
     try:
         annotate(gm, inputs)
@@ -99,15 +107,18 @@ def optimize(
     gm = copy_module(gm)  # once: the passes below rewrite this copy in place (each also exists pure)
     if opts.views:
         views_(gm)
-    if opts.regather:
+    if opts.regather or (opts.remat and regions):
         mark_backward(gm, set(backward))
+    if opts.remat and regions:
+        remat_(gm, regions)
+    if opts.regather:
         regather_(gm)
     if opts.bucket:
         try:
             bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
             gm.graph.lint()
         except RuntimeError:  # a bucket placed a use before its launch: run this program unbucketed
-            return optimize(original, inputs, replace(opts, bucket=False), backward)
+            return optimize(original, inputs, replace(opts, bucket=False), backward, regions)
     if opts.inplace:
         inplace_(gm)
     if opts.overlap:
@@ -124,15 +135,16 @@ def optimize_programs(
     inputs: Sequence[Inputs],
     opts: PassOptions,
     backward: frozenset[str] = frozenset(),
+    regions: Regions | None = None,
 ) -> tuple[GraphModule, ...]:
     """Every rank's program; one shared program when the ranks share one (even layouts)."""
     if all(p is programs[0] for p in programs):
-        done = optimize(programs[0], inputs[0], opts, backward)
+        done = optimize(programs[0], inputs[0], opts, backward, regions)
         return (done,) * len(programs)
     # uneven layouts: fake collectives give every rank block 0's shape, so a rank whose block is
     # shorter would pack buckets by wrong sizes (even where propagation does not fail); never bucket
     opts = replace(opts, bucket=False)
-    return tuple(optimize(p, i, opts, backward) for p, i in zip(programs, inputs, strict=True))
+    return tuple(optimize(p, i, opts, backward, regions) for p, i in zip(programs, inputs, strict=True))
 
 
 def donate_programs(
@@ -193,5 +205,6 @@ __all__ = [
     "options",
     "overlap",
     "regather",
+    "remat",
     "views",
 ]
