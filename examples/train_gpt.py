@@ -1,11 +1,24 @@
-"""Train the example GPT with @sharded, checkpointing every K steps and resuming from the newest one.
+"""Train the example GPT with @sharded under any strategy, checkpointing every K steps and resuming.
 
-python -m examples.train_gpt --simulate --mesh dp=2,tp=2 --steps 8 --ckpt /tmp/gpt --ckpt-every 2
+python -m examples.train_gpt --mesh dp=2,tp=2 --strategy dp-tp       # simulated (4 virtual devices)
+python -m examples.train_gpt --mesh dp=4 --strategy zero3 --steps 4
 torchrun --nproc-per-node 4 --max-restarts 1 -m examples.train_gpt --mesh dp=2,tp=2 \\
     --steps 8 --ckpt /tmp/gpt --ckpt-every 2
+torchrun --nproc-per-node 6 -m examples.train_gpt --strategy zero3   # mesh dp=6 from the world size
 
-Parameters are split Megatron-style over a ``tp`` axis (when the mesh has one) and the batch over
-``dp``. A restarted run (torchrun ``--max-restarts``, or running the command again) continues from
+Strategies (``--strategy``; the batch is always split over ``dp`` when the mesh has it):
+  dp      parameters replicated (data parallelism)
+  zero1   optimizer state split over dp (ZeRO-1)
+  zero3   parameters and optimizer state split over dp (ZeRO-3 / FSDP)
+  tp      Megatron tensor parallelism over ``tp``: attention heads and MLP hidden units split
+  dp-tp   tp, with the batch over dp (the default)
+  tp-sp   dp-tp plus sequence parallelism: the residual stream split over the sequence on tp
+  zero3-tp  2D: tp as above, and every parameter also split over dp (FSDP + TP)
+
+Under torchrun without ``--mesh`` the mesh is ``dp=W`` (or ``dp=W/2,tp=2`` for tp strategies) for a
+world size W. Without torchrun the run is simulated (or pass ``--simulate`` / ``--real``).
+
+A restarted run (torchrun ``--max-restarts``, or running the command again) continues from
 the newest complete checkpoint in ``--ckpt``; since the data of step ``i`` depends only on ``i``, it
 ends with the same parameters as an uninterrupted run. ``--kill-step`` makes one rank SIGKILL itself
 on the first attempt, to try exactly that.
@@ -22,8 +35,9 @@ from unittest import mock
 import torch
 
 import shardspec
+from examples import _cli
 from examples.models import gpt
-from shardspec import Mesh, P, checkpoint, optim, sharded
+from shardspec import P, checkpoint, optim, sharded
 
 OPT = optim.adamw(lr=1e-3, weight_decay=0.01, eps=1e-6)
 BATCH = 8
@@ -31,26 +45,35 @@ COLUMN = ("qkv.weight", "qkv.bias", "fc.weight", "fc.bias")  # output rows split
 ROW = ("attn.proj.weight", "mlp.proj.weight")  # input columns split: the partial sum is reduced once
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """``dp=2,tp=2`` -> {"dp": 2, "tp": 2}."""
-    axes: dict[str, int] = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not name.strip().isidentifier() or not size.strip().isdigit():
-            raise argparse.ArgumentTypeError(f"{text!r}: write axes as name=size pairs, e.g. dp=2,tp=2")
-        axes[name.strip()] = int(size)
-    return axes
+STRATEGIES = ("dp", "zero1", "zero3", "tp", "dp-tp", "tp-sp", "zero3-tp")
+parse_mesh = _cli.parse_mesh
 
 
 def param_specs(params: dict[str, torch.Tensor], axes: dict[str, int]) -> dict[str, P]:
+    """Megatron tensor parallelism over ``tp`` (when the mesh has it); other parameters replicated."""
+    return strategy_specs("dp-tp", params, axes)
+
+
+def strategy_specs(strategy: str, params: dict[str, torch.Tensor], axes: dict[str, int]) -> dict[str, P]:
+    """The parameter specs of ``strategy`` on a mesh with ``axes``."""
+    tp = "tp" in axes and strategy in ("tp", "dp-tp", "tp-sp", "zero3-tp")
+    fsdp = "dp" in axes and strategy in ("zero3", "zero3-tp")
+
     def spec(name: str) -> P:
-        if "tp" not in axes:
-            return P()
-        if name.endswith(COLUMN):
-            return P("tp")
-        return P(None, "tp") if name.endswith(ROW) else P()
+        if tp and name.endswith(COLUMN):
+            return P("tp", "dp") if fsdp and params[name].dim() == 2 else P("tp")
+        if tp and name.endswith(ROW):
+            return P("dp", "tp") if fsdp else P(None, "tp")
+        return P("dp") if fsdp else P()
 
     return {name: spec(name) for name in params}
+
+
+def state_specs(strategy: str, pspec: dict[str, P], axes: dict[str, int]) -> Any:
+    """Optimizer state mirrors the parameters, except ZeRO-1 splits it over dp alone."""
+    if strategy == "zero1" and "dp" in axes:
+        return OPT.state_specs({name: P("dp") for name in pspec})
+    return OPT.state_specs(pspec)
 
 
 def batch(step: int, cfg: gpt.Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,9 +111,9 @@ def _die_after_writing() -> Any:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mesh", type=parse_mesh, default={"dp": 2, "tp": 2}, help="e.g. dp=2,tp=2")
-    ap.add_argument("--simulate", action="store_true", help="virtual devices in this process")
+    ap = _cli.parser(__doc__, "dp=2,tp=2")
+    ap.set_defaults(mesh=None)
+    ap.add_argument("--strategy", choices=STRATEGIES, default="dp-tp")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2, help="transformer blocks (fewer compile faster)")
     ap.add_argument("--ckpt", help="checkpoint root directory (resumes from its newest checkpoint)")
@@ -104,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kill-during-save", action="store_true", help="die inside the save after --kill-step steps"
     )
     args = ap.parse_args(argv)  # unknown flags are an error
+    if args.mesh is None:
+        args.mesh = _default_mesh(args.strategy)
     if args.kill_step is not None and args.simulate:
         ap.error("--kill-step needs real processes (torchrun), not --simulate")
     if args.kill_during_save and not (args.ckpt and args.ckpt_every and args.kill_step):
@@ -111,22 +136,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _default_mesh(strategy: str) -> dict[str, int]:
+    """dp=2,tp=2 simulated; under torchrun, the world size W as dp=W (or dp=W/2,tp=2 for tp)."""
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world == 0:
+        return {"dp": 2, "tp": 2}
+    if "tp" in strategy and world % 2 == 0:
+        return {"dp": world // 2, "tp": 2} if world > 2 else {"tp": 2}
+    return {"dp": world}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    mesh = Mesh(args.mesh, simulate=args.simulate)
+    mesh = _cli.make_mesh(args)
     rank = 0 if mesh.simulated else mesh.rank
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
-    if mesh.simulated:
-        say(f"mode: simulated ({mesh.describe()}: {mesh.size} virtual devices in one process)")
-    else:
-        backend = torch.distributed.get_backend()
-        say(f"mode: real ({mesh.describe()}: {mesh.size} processes, {backend}, attempt {attempt})")
+    say(_cli.mode_line(mesh) + ("" if mesh.simulated else f", attempt {attempt}"))
+    say(f"strategy: {args.strategy}")
 
-    cfg = gpt.Config(layers=args.layers)
+    sp = args.strategy == "tp-sp" and "tp" in args.mesh
+    residual = P("dp" if "dp" in args.mesh else None, "tp") if sp else None
+    cfg = gpt.Config(layers=args.layers, residual=residual)
     params = gpt.init(cfg)
-    pspec = param_specs(params, args.mesh)
-    sspec = OPT.state_specs(pspec)
+    pspec = strategy_specs(args.strategy, params, args.mesh)
+    sspec = state_specs(args.strategy, pspec, args.mesh)
     bspec = P("dp") if "dp" in args.mesh else P()
     step_fn = sharded(
         make_step(cfg), mesh=mesh, in_specs=(pspec, sspec, bspec, bspec), out_specs=(pspec, sspec, P())

@@ -24,6 +24,7 @@ from shardspec.local import from_local
 from shardspec.mesh import Mesh
 from shardspec.placements import placements_to_spec, spec_to_placements
 from shardspec.spec import P
+from shardspec.specs_match import match_specs
 from shardspec.visualize import visualize
 
 if TYPE_CHECKING:
@@ -65,9 +66,9 @@ __all__ = [
     "from_local",
     "is_even",
     "local_shape",
+    "match_specs",
     "optim",
     "placements_to_spec",
-    "remat",
     "shard",
     "sharded",
     "spec_to_placements",

@@ -25,10 +25,30 @@ class DistributedTestError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on the loopback interface."""
+    """A TCP port that was free a moment ago on the loopback interface (another process may take it
+    before it is used: ``run_distributed`` does not rely on it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _agent_store(world_size: int) -> Any:
+    """A TCPStore server bound here to a port the OS picks and held for the whole run, as torchrun's
+    agent holds its store. The workers join it as clients (``TORCHELASTIC_USE_AGENT_STORE``), so no
+    worker has to bind a port that was free a moment ago (which another process can take meanwhile:
+    the 'address already in use' race)."""
+    import datetime
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=60),
+        wait_for_workers=False,
+    )
 
 
 def _worker(
@@ -105,10 +125,12 @@ def run_distributed(
         start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx: Any = mp.get_context(start_method)
     results = ctx.Queue()
+    store = None if backend is not None or "MASTER_PORT" in (env or {}) else _agent_store(world_size)
     base_env = {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(store.port if store is not None else free_port()),
         "OMP_NUM_THREADS": "1",
+        **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if store is not None else {}),
         **(env or {}),
     }
     with tempfile.TemporaryDirectory(prefix="shardspec-dist-") as tmp:

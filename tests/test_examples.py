@@ -1,0 +1,155 @@
+"""Every example runs at a small size, rejects unknown flags, says whether it is real or simulated,
+and ends equal to the same steps run unsharded; real runs print no deprecation warnings."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from examples import custom_specs, demo, einops_model, hf_gpt2, train_gpt, train_mlp
+from examples.models import gpt, mlp
+from shardspec import optim
+from shardspec.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(main: Any, argv: list[str]) -> tuple[Any, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = main(argv)
+    return result, out.getvalue()
+
+
+@pytest.mark.parametrize("main", [demo.main, train_mlp.main, train_gpt.main, hf_gpt2.main, einops_model.main])
+def test_unknown_flags_are_rejected(main: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--bogus"])
+    assert exc.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_mesh_argument_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        demo.main(["--mesh", "dp2"])
+    assert "name=size pairs" in capsys.readouterr().err
+
+
+def test_demo_shows_mesh_specs_plan_steps_and_confirms_equivalence() -> None:
+    _, text = _run(demo.main, ["--steps", "2", "--layers", "1"])
+    assert "mode: simulated (dp=2 x tp=4: 8 virtual devices" in text
+    assert "parameter" in text and "P('tp')" in text  # the shardings table
+    assert "step 1/2: loss" in text and "step 2/2: loss" in text
+    assert text.rstrip().splitlines()[-1].startswith("equivalent: after 2 steps every parameter equals")
+
+
+def test_demo_runs_as_a_script() -> None:
+    """`python examples/demo.py` (the README's command) works from any directory."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "demo.py"),
+            "--steps",
+            "1",
+            "--layers",
+            "1",
+            "--mesh",
+            "dp=2,tp=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "PYTHONPATH")},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().splitlines()[-1].startswith("equivalent:")
+
+
+@pytest.mark.parametrize("strategy", ["dp", "megatron", "zero3"])
+def test_train_mlp_equals_unsharded(strategy: str) -> None:
+    result, text = _run(train_mlp.main, ["--strategy", strategy, "--steps", "2"])
+    assert "mode: simulated" in text
+    opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+    params, state = mlp.init(8, 16, 4), None
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    for _ in range(2):
+        params, state, _loss = mlp.make_step(opt)(params, state, x, y)
+    torch.testing.assert_close(result["params"], params, rtol=1e-5, atol=1e-6)
+
+
+def test_train_mlp_megatron_splits_over_tp() -> None:
+    _, text = _run(train_mlp.main, ["--strategy", "megatron", "--steps", "1"])
+    assert "all_reduce over tp" in text  # the tensor-parallel partial sum is reduced over tp, not dp
+
+
+@pytest.mark.parametrize("strategy", train_gpt.STRATEGIES)
+def test_train_gpt_every_strategy_equals_unsharded(strategy: str, tmp_path: Path) -> None:
+    out = tmp_path / "params.pt"
+    _, text = _run(
+        train_gpt.main, ["--strategy", strategy, "--steps", "1", "--layers", "1", "--out", str(out)]
+    )
+    assert f"strategy: {strategy}" in text and "mode: simulated" in text
+    cfg = gpt.Config(layers=1)
+    params = gpt.init(cfg)
+    params, _state, _loss = train_gpt.make_step(cfg)(
+        params, train_gpt.OPT.init(params), *train_gpt.batch(0, cfg)
+    )
+    torch.testing.assert_close(torch.load(out), params, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_gpt2_matches_unsharded_module() -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+    result, text = _run(hf_gpt2.main, ["--steps", "1", "--layers", "1"])
+    assert "equivalent: the sharded GPT2LMHeadModel matches" in text
+    torch.testing.assert_close(result["params"], result["reference"], rtol=1e-4, atol=1e-5)
+
+
+def test_einops_model_matches_unsharded() -> None:
+    result, text = _run(einops_model.main, ["--steps", "1"])
+    assert "equivalent" in text
+    torch.testing.assert_close(result["params"], result["reference"], rtol=1e-4, atol=1e-5)
+
+
+def test_custom_specs_by_pattern() -> None:
+    result, text = _run(custom_specs.main, ["--fsdp", "--steps", "1"])
+    assert "without default=: match_specs: no rule matches 'h.0.attn.proj.bias'" in text
+    specs = result["specs"]
+    assert specs["h.0.mlp.fc.weight"] == train_gpt.P("tp", "dp") and specs["ln_f.weight"] == train_gpt.P()
+
+
+def _real_run(rank: int, world: int, module: str, argv: list[str]) -> list[str]:
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as out:
+        warnings.simplefilter("always")
+        importlib.import_module(module).main(argv)
+    assert rank != 0 or "mode: real" in out.getvalue()
+    return [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (FutureWarning, DeprecationWarning))
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("module", "world", "argv"),
+    [
+        ("examples.train_mlp", 4, ["--steps", "1"]),
+        ("examples.train_gpt", 2, ["--strategy", "zero3", "--steps", "1", "--layers", "1"]),  # mesh dp=2
+    ],
+)
+def test_real_runs_print_no_deprecation_warnings(module: str, world: int, argv: list[str]) -> None:
+    results = run_distributed(_real_run, world, args=(module, argv), backend=None, timeout=300)
+    assert results == [[]] * world
