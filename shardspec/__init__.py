@@ -69,6 +69,7 @@ __all__ = [
     "match_specs",
     "optim",
     "placements_to_spec",
+    "remat",
     "shard",
     "sharded",
     "spec_to_placements",
