@@ -28,6 +28,7 @@ def sharded(
     timeout: float = 600.0,
     passes: Any = None,
     donate: tuple[int, ...] = (),
+    pipeline: Any = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
@@ -64,6 +65,9 @@ def sharded(
     optimizers update in place): on a real mesh the returned DTensors share the donated ones' local
     storage; on a simulated mesh shards are copies anyway. A donated tensor passed again is an error
     naming it (use the returned value); donating an argument the step returns unchanged is an error.
+    ``pipeline=shardspec.Pipeline(axis="pp", schedule="1f1b")`` runs the step as pipeline stages cut
+    at its ``shardspec.pipeline_boundary`` calls, one stage (or ``virtual_stages``) per position
+    along ``axis``, scheduling ``value_and_grad``'s microbatches (see docs/pipeline.md).
     """
 
     pass_options(passes)  # a misspelled option fails here, not at the first call
@@ -80,6 +84,7 @@ def sharded(
             timeout,
             passes=passes,
             donate=donate,
+            pipeline=pipeline,
         )
 
     return wrap(fn) if fn is not None else wrap

@@ -7,8 +7,12 @@ from typing import Any
 
 import optree
 import torch
+import torch.fx.traceback as fxt
 
+from compiler.pipeline.boundary import cuts_from_zero
 from shardspec.errors import fail
+
+MICROBATCH = "shardspec_microbatch"  # key in a traced node's meta["custom"]: which microbatch made it
 
 
 def value_and_grad(
@@ -18,14 +22,16 @@ def value_and_grad(
 
     With ``microbatches=m`` every tensor argument not differentiated is split into ``m`` chunks along
     dim 0, and the loss and gradients are the mean over chunks (gradient accumulation: the chunks'
-    gradients add up as pending sums and are reduced once per step).
+    gradients add up as pending sums and are reduced once per step). Each chunk's forward and
+    backward nodes are labelled with its index (``meta["custom"]["shardspec_microbatch"]``), which
+    the pipeline schedules by; the accumulation is unlabelled (it runs after the chunks).
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     grad_fn = torch.func.grad_and_value(fn, argnums=argnums if isinstance(argnums, int) else nums)
 
     def run(*args: Any) -> tuple[torch.Tensor, Any]:
         if microbatches is None or microbatches == 1:
-            grads, loss = grad_fn(*args)
+            grads, loss = _labelled(grad_fn, 0, args)
             return loss, grads
         if not isinstance(microbatches, int) or microbatches < 1:
             raise fail(
@@ -40,13 +46,19 @@ def value_and_grad(
             chunks.append(_split(a, microbatches, i))
         total_loss, total_grads = None, None
         for k in range(microbatches):
-            grads, loss = grad_fn(*(c[k] for c in chunks))
+            grads, loss = _labelled(grad_fn, k, tuple(c[k] for c in chunks))
             total_loss = loss if total_loss is None else total_loss + loss
             total_grads = grads if total_grads is None else optree.tree_map(torch.add, total_grads, grads)
         assert total_loss is not None and total_grads is not None
         return total_loss / microbatches, optree.tree_map(lambda g: g / microbatches, total_grads)
 
     return run
+
+
+def _labelled(grad_fn: Callable[..., Any], k: int, args: tuple[Any, ...]) -> Any:
+    """Run one chunk with its nodes labelled ``k`` and the pipeline cuts numbered from 0."""
+    with cuts_from_zero(), fxt.annotate({MICROBATCH: k}):
+        return grad_fn(*args)
 
 
 def _split(arg: Any, m: int, position: int) -> list[Any]:

@@ -21,6 +21,7 @@ from shardspec.spec import P
 
 if TYPE_CHECKING:
     from compiler.partition import Inserted
+    from compiler.pipeline.report import PipelineSchedule
     from compiler.program import Program
 
 
@@ -76,7 +77,7 @@ class Lowered:
         return [
             CollectiveInfo(c.kind, c.axes, c.shape, c.dtype, c.bytes_per_rank, c.reason, c.source)
             for c in (*self.program.inserted, *again)
-        ]
+        ] + _p2p(self.program)
 
     def launches(self, rank: int = 0) -> list[list[Inserted]]:
         """The collectives as the program launches them, in order: a bucket is one launch of
@@ -107,6 +108,11 @@ class Lowered:
             sent = self._launch_bytes(launch)
             by_kind[launch[0].kind] = by_kind.get(launch[0].kind, 0.0) + sent
             total += sent
+        if self.program.pipeline is not None:  # sends of the busiest pipeline position
+            from compiler.pipeline.report import busiest_p2p_bytes
+
+            by_kind["send"] = busiest_p2p_bytes(self.program)
+            total += by_kind["send"]
         peak = self.peak_memory()
         carried, grads, compute = model_state(self.program)
         acts = self.activation_peak()
@@ -196,6 +202,13 @@ class Lowered:
             live -= sum(size(a) for a in free_at.get(i, ()))
         return curve
 
+    def pipeline_schedule(self) -> PipelineSchedule:
+        """A pipelined step's action lists per position (with their sends and receives), the planned
+        timeline and ``svg()`` of it (or of a measured ``compiler.pipeline.timeline.recording()``)."""
+        from compiler.pipeline.report import pipeline_schedule
+
+        return pipeline_schedule(self.program)
+
     def explain(self) -> str:
         """Each launch: kind, axes, bytes per rank; for each tensor in it, why and the user line."""
         launches = self.launches()
@@ -228,6 +241,10 @@ class Lowered:
                 lines.append(f"      at:  {m.source or '<no user line recorded>'}")
         for note in self.program.prop.notes:
             lines.append(f"note: {note}")
+        if self.program.pipeline is not None:
+            from compiler.pipeline.report import stage_lines
+
+            lines += stage_lines(self.program)
         return "\n".join(lines)
 
 
@@ -324,3 +341,12 @@ def _shares_storage(n: torch.fx.Node, src: torch.fx.Node) -> bool:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return True
     return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+
+
+def _p2p(program: Program) -> list[CollectiveInfo]:
+    """A pipelined step's sends (``compiler.pipeline.report``)."""
+    if program.pipeline is None:
+        return []
+    from compiler.pipeline.report import p2p_records
+
+    return p2p_records(program)

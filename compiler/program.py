@@ -15,6 +15,7 @@ from torch.fx import GraphModule
 from compiler import passes as program_passes
 from compiler.checkpointing import regions
 from compiler.partition import Inserted, partition
+from compiler.pipeline.plan import PipelinePlan, check_pipeline, drop_boundaries, plan_pipeline
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
 from compiler.sources import source_of
@@ -22,6 +23,7 @@ from compiler.trace import Traced, arg_names, path_str, trace
 from shardspec.errors import fail
 from shardspec.layout import check_spec, is_even, local_shape
 from shardspec.mesh import Mesh
+from shardspec.pipeline import Pipeline
 from shardspec.placements import spec_to_placements
 from shardspec.spec import P
 
@@ -36,6 +38,7 @@ class Program:
     programs: tuple[GraphModule, ...]  # per rank (the same object for every rank when even)
     inserted: tuple[Inserted, ...]  # rank 0's
     donated: tuple[int, ...] = ()  # tensor inputs whose buffers the results may take (donate=)
+    pipeline: PipelinePlan | None = None  # sharded(pipeline=...): stages, schedule, stage programs
 
 
 def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = None) -> list[P]:
@@ -98,6 +101,7 @@ def compile_program(
     strict: bool = False,
     passes: Any = None,
     donate: tuple[int, ...] = (),
+    pipeline: Pipeline | None = None,
 ) -> Program:
     names = arg_names(fn, len(args))
     if isinstance(in_specs, list) and len(in_specs) == len(args):
@@ -133,6 +137,8 @@ def compile_program(
                 f"use P() for {where}, or pass it as a tensor.",
             )
     traced = trace(fn, args)
+    if pipeline is not None:
+        check_pipeline(pipeline, mesh, list(zip(traced.in_paths, tensor_specs, strict=True)))
     out_leaf_specs = broadcast_specs(
         out_specs, optree.tree_unflatten(traced.out_tree, list(range(len(traced.outputs)))), "out_specs"
     )
@@ -140,6 +146,8 @@ def compile_program(
         if not isinstance(spec, P):
             raise fail(f"out_specs for {out_path} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
         check_spec(info.shape, mesh, spec, name=out_path)
+    if pipeline is not None:
+        check_pipeline(pipeline, mesh, list(zip(traced.out_paths, out_leaf_specs, strict=True)))
     if not mesh.simulated:  # real results are DTensors: every layout must be one DTensor can hold
         for p, s, t in zip(traced.in_paths, tensor_specs, traced.inputs, strict=True):
             spec_to_placements(s, mesh, t.shape, name=p)
@@ -163,6 +171,21 @@ def compile_program(
         ]
         for r in range(mesh.size)
     ]
+    if pipeline is not None:
+        plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs)
+        return Program(
+            traced,
+            prop,
+            mesh,
+            tuple(tensor_specs),
+            tuple(out_leaf_specs),
+            tuple(s.module for s in plan.per_rank),
+            tuple(inserted),
+            (),
+            plan,
+        )
+    for gm in dict.fromkeys(programs):  # without a pipeline a boundary is an identity
+        drop_boundaries(gm)
     backward = frozenset(
         n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
     )  # regather tells forward from backward uses by these

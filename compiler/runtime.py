@@ -43,8 +43,10 @@ class ShardedFunction:
         timeout: float = 600.0,
         passes: Any = None,
         donate: tuple[int, ...] = (),
+        pipeline: Any = None,
     ) -> None:
         self.strict = strict
+        self.pipeline = pipeline
         self.donate = _donate_argnums(donate)
         self.check_values, self.timeout = check_values, timeout
         self.passes = passes
@@ -89,6 +91,7 @@ class ShardedFunction:
                     self.strict,
                     passes=self.passes,
                     donate=self.donate,
+                    pipeline=self.pipeline,
                 )
             finally:
                 _TRACING.reset(token)
@@ -218,12 +221,29 @@ def _run_simulated(program: Program, tensors: list[torch.Tensor]) -> list[torch.
         shard(t, mesh, s, name=p)
         for t, s, p in zip(tensors, program.in_specs, program.traced.in_paths, strict=True)
     ]
+    pp = program.pipeline
+    empty = torch.empty(0)
 
     def body(rank: int) -> list[torch.Tensor]:
+        if pp is None:
+            args = [p[rank] for p in pieces]
+        else:  # a pipeline position holds only the inputs its stages read
+            reads = pp.per_rank[rank].reads
+            args = [p[rank] if i in reads else empty for i, p in enumerate(pieces)]
         with torch.no_grad():
-            return list(program.programs[rank](*[p[rank] for p in pieces]))
+            return list(program.programs[rank](*args))
 
     per_rank = run_simulated(body, mesh)
+    if pp is not None:  # each result comes from the ranks of the position that computed it
+        axis = pp.pipeline.axis
+        owners = pp.per_rank[0].outputs
+        per_rank = [
+            [
+                per_rank[mesh.rank_of({**mesh.coords(r), axis: owners[i]})][i]
+                for i in range(len(program.out_specs))
+            ]
+            for r in range(mesh.size)
+        ]
     return [
         unshard([per_rank[r][i] for r in range(mesh.size)], mesh, spec, name=path)
         for i, (spec, path) in enumerate(zip(program.out_specs, program.traced.out_paths, strict=True))

@@ -100,6 +100,8 @@ def aliases_input(n: Node) -> bool:
     if schema is None:
         return True  # unknown: assume the worst
     returns = schema.returns
+    if not returns:  # an op returning nothing (send) aliases nothing
+        return False
     ret = returns[min(index, len(returns) - 1)]
     return ret.alias_info is not None
 

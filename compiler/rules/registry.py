@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+import compiler.pipeline.boundary  # defines torch.ops.shardspec.pipeline_boundary
 import compiler.rewrites  # noqa: F401  (defines torch.ops.shardspec.matmul)
 from compiler.rules import builders as b
 from compiler.rules import indexing as ix
@@ -43,6 +44,7 @@ REGISTRY: dict[Any, Builder] = {
     aten.mm.default: fixed("i k, k j -> i j", "one"),
     aten.bmm.default: fixed("b i k, b k j -> b i j", "one"),
     torch.ops.shardspec.matmul.default: b.batched_matmul,
+    torch.ops.shardspec.pipeline_boundary.default: partial(b.elementwise, linear="all"),
     aten.add.Tensor: partial(b.binary_arith, all_tensor_linear="all"),
     aten.sub.Tensor: partial(b.binary_arith, all_tensor_linear="all"),
     aten.mul.Tensor: partial(b.binary_arith, all_tensor_linear="one"),

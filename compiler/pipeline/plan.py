@@ -1,0 +1,104 @@
+"""Compile-side glue: stage assignment, the schedule, and each rank's stage program."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+
+from collectives.ops import mesh_key
+from compiler.passes.graph import annotate
+from compiler.pipeline.boundary import BOUNDARY
+from compiler.pipeline.check import check_schedule
+from compiler.pipeline.schedules import Lists, schedule
+from compiler.pipeline.split import StageProgram, split_program
+from compiler.pipeline.stages import StagePlan, assign
+from shardspec.errors import fail
+from shardspec.mesh import Mesh
+from shardspec.pipeline import Pipeline
+from shardspec.spec import P
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    pipeline: Pipeline
+    stages: StagePlan
+    lists: Lists  # per pipeline position: its compute actions in order
+    per_rank: tuple[StageProgram, ...]  # per mesh rank
+
+    @property
+    def positions(self) -> int:
+        return len(self.lists)
+
+
+def check_pipeline(pipeline: Pipeline, mesh: Mesh, specs: Sequence[tuple[str, P]]) -> None:
+    """The axis exists and no spec splits over it (the pipeline owns it)."""
+    if not isinstance(pipeline, Pipeline):
+        raise fail(
+            f"sharded(pipeline=...) needs a shardspec.Pipeline, got {type(pipeline).__name__}.",
+            "pass pipeline=shardspec.Pipeline(axis='pp', schedule='1f1b').",
+        )
+    if pipeline.axis not in mesh.axis_names:
+        raise fail(
+            f"Pipeline(axis={pipeline.axis!r}) is not an axis of the mesh {mesh.describe()}.",
+            f"add it to the mesh (Mesh({{'{pipeline.axis}': 2, ...}})) or name one of "
+            f"{list(mesh.axis_names)}.",
+        )
+    for path, spec in specs:
+        if pipeline.axis in spec.axes:
+            raise fail(
+                f"{path} has spec {spec}, which splits over the pipeline axis {pipeline.axis!r}.",
+                f"leave {pipeline.axis!r} out of the specs: the pipeline places each stage's values on its "
+                "own positions along it.",
+            )
+
+
+def microbatches_of(module: GraphModule) -> int:
+    from compiler.grad import MICROBATCH
+
+    seen = [int((n.meta.get("custom") or {}).get(MICROBATCH, -1)) for n in module.graph.nodes]
+    return 1 + max(seen, default=-1)
+
+
+def plan_pipeline(
+    pipeline: Pipeline,
+    mesh: Mesh,
+    traced_module: GraphModule,
+    programs: Sequence[GraphModule],
+    local_inputs: Sequence[Sequence[tuple[Sequence[int], torch.dtype]]],
+) -> PipelinePlan:
+    p = mesh.axis_size(pipeline.axis)
+    m = microbatches_of(traced_module)
+    if m == 0:
+        raise fail(
+            "sharded(pipeline=...) schedules microbatches, but the step takes no gradients with "
+            "shardspec.value_and_grad.",
+            "compute loss and gradients with "
+            "shardspec.value_and_grad(loss_fn, microbatches=m)(params, batch).",
+        )
+    stages = assign(traced_module, p * pipeline.virtual_stages, m)
+    lists = schedule(pipeline.schedule, p, m, pipeline.virtual_stages)
+    check_schedule(lists, p, m)
+    key = mesh_key(mesh)
+    done: dict[tuple[int, int], StageProgram] = {}
+    per_rank = []
+    for r in range(mesh.size):
+        q = mesh.axis_index(r, pipeline.axis)
+        k = (id(programs[r]), q)
+        if k not in done:
+            annotate(programs[r], local_inputs[r])
+            done[k] = split_program(programs[r], stages, lists, q, pipeline.axis, key)
+        per_rank.append(done[k])
+    return PipelinePlan(pipeline, stages, lists, tuple(per_rank))
+
+
+def drop_boundaries(gm: GraphModule) -> GraphModule:
+    """Without a pipeline a boundary is an identity: remove it from the per-rank program."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is BOUNDARY:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+    gm.recompile()
+    return gm

@@ -1,0 +1,204 @@
+"""Pipelined steps on simulated meshes equal the unpipelined step (parameters, AdamW state, loss);
+P2P bytes follow 2 * m * cut bytes; stages own their parameters; bad input is a clear error."""
+
+import math
+import re
+
+import optree
+import pytest
+import torch
+
+import shardspec
+from benchmarks import pipeline_model as pm
+from collectives.accounting import count_bytes
+from compiler.pipeline.boundary import BOUNDARY
+from shardspec import Mesh, P, Pipeline, ShardingError, local_shape, optim, sharded
+
+OPT = optim.adamw(lr=1e-2, weight_decay=0.1)
+D, HIDDEN, CLASSES, BATCH = 8, 16, 4, 16
+
+
+def _setup(layers=4, microbatches=4, batch=BATCH):
+    params = pm.init(layers, D, HIDDEN, CLASSES)
+    x, y = pm.data(batch, D, CLASSES)
+    return params, OPT.init(params), x, y, pm.make_step(microbatches, OPT)
+
+
+def _close(got, want):
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _compiled(step, params, shape, pipeline, **kw):
+    mesh = Mesh(shape, simulate=True)
+    ps, ss, xs, ys = pm.specs(params, "tp" in shape, "dp" in shape, OPT)
+    return sharded(
+        step, mesh=mesh, in_specs=(ps, ss, xs, ys), out_specs=(ps, ss, P()), pipeline=pipeline, **kw
+    )
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_pipelined_step_equals_unpipelined_pp_dp_tp(schedule, v):
+    params, state, x, y, step = _setup()
+    run = _compiled(step, params, {"pp": 2, "dp": 2, "tp": 2}, Pipeline("pp", schedule, v))
+    want = step(params, state, x, y)
+    got = run(params, state, x, y)
+    _close(got, want)
+    _close(run(*got[:2], x, y), step(*want[:2], x, y))  # a second step from the pipelined results
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_pipelined_step_equals_unpipelined_pp4(schedule):
+    params, state, x, y, step = _setup(layers=4, microbatches=8)
+    run = _compiled(step, params, {"pp": 4}, Pipeline("pp", schedule))
+    _close(run(params, state, x, y), step(params, state, x, y))
+
+
+def test_without_pipeline_boundaries_vanish():
+    params, state, x, y, step = _setup()
+    run = _compiled(step, params, {"dp": 2}, None)
+    _close(run(params, state, x, y), step(params, state, x, y))
+    assert "pipeline_boundary" not in run.lower(params, state, x, y).as_text()
+
+
+def _cut_bytes(lowered, mesh):
+    """Bytes of one microbatch's activation at each stage cut, on one rank, as propagation laid it out."""
+    prog = lowered.program
+    cuts = set(prog.pipeline.stages.cuts)
+    out = []
+    for n in prog.traced.module.graph.nodes:
+        custom = n.meta.get("custom") or {}
+        first = custom.get("shardspec_microbatch") == 0
+        if n.target is BOUNDARY and not n.kwargs["backward"] and first and n.kwargs["cut"] in cuts:
+            src = n.args[0]
+            shape = local_shape(tuple(src.meta["val"].shape), mesh, prog.prop.value[src].spec, 0)
+            out.append(math.prod(shape) * src.meta["val"].element_size())
+    return out
+
+
+def test_p2p_bytes_are_2_m_cut_bytes_and_dp_bytes_unchanged():
+    m, layers = 4, 4
+    shape = {"pp": 4, "dp": 2}
+    params, state, x, y, step = _setup(layers, m, 64)
+    run = _compiled(step, params, shape, Pipeline("pp", "1f1b"))
+    flat = _compiled(step, params, {"dp": 2}, None, passes=False)
+    with count_bytes() as piped:
+        run(params, state, x, y)
+    with count_bytes() as plain:
+        flat(params, state, x, y)
+    mesh = Mesh(shape, simulate=True)
+    lowered = run.lower(params, state, x, y)
+    cuts = _cut_bytes(lowered, mesh)
+    assert len(cuts) == layers - 1
+    sent = sum(r.bytes_per_rank for r in piped.records if r.kind == "send")
+    assert sent == 2 * m * sum(cuts) * 2  # forward and backward, per cut, in each of the 2 pp groups
+    planned = [c for c in lowered.collectives() if c.kind == "send"]
+    assert sum(c.bytes_per_rank for c in planned) == 2 * m * sum(cuts)
+    by_position = [
+        sum(t.bytes for t in lowered.program.pipeline.per_rank[0].p2p if t.src == q) for q in range(4)
+    ]
+    assert lowered.cost().bytes_by_kind["send"] == max(by_position)
+
+    # the other collectives: each stage moves its own part of what the unpipelined step moves
+    def moved(counter, ranks):
+        return sum(r.bytes_by_rank.get(k, 0) for r in counter.records if r.kind != "send" for k in ranks)
+
+    stage_ranks = [mesh.rank_of({"pp": s, "dp": 0}) for s in range(4)]
+    assert moved(piped, stage_ranks) == pytest.approx(moved(plain, [0]))
+
+
+def test_each_stage_holds_only_its_parameters():
+    """No rank reads (so none is given) another stage's parameters or optimizer moments."""
+    params, state, x, y, step = _setup()
+    shape = {"pp": 2, "dp": 2}
+    lowered = _compiled(step, params, shape, Pipeline("pp", "1f1b")).lower(params, state, x, y)
+    paths = lowered.program.traced.in_paths
+    mesh = Mesh(shape, simulate=True)
+    for rank, sp in enumerate(lowered.program.pipeline.per_rank):
+        stage = mesh.axis_index(rank, "pp")
+        held = [paths[i] for i in sp.reads]
+        blocks = {int(b) for h in held for b in re.findall(r"\['blocks'\]\[(\d+)\]", h)}
+        assert blocks == {2 * stage, 2 * stage + 1}, held
+        assert any("['v']['blocks']" in h for h in held) and any("['m']['blocks']" in h for h in held)
+        assert any("head" in h for h in held) == (stage == 1)
+        assert any(h.startswith("y") for h in held) == (stage == 1)
+        assert any(h.startswith("x") for h in held) == (stage == 0)
+
+
+def test_explain_shows_balanced_stages():
+    params, state, x, y, step = _setup(layers=6)
+    run = _compiled(step, params, {"pp": 3}, Pipeline("pp", "1f1b"))
+    lowered = run.lower(params, state, x, y)
+    stages = lowered.program.pipeline.stages
+    assert stages.stages == 3 and len(stages.segment_cost) == 6
+    assert stages.balance < 1.2
+    text = lowered.explain()
+    assert "stage 0" in text and "balance" in text
+
+
+def _step_with(microbatches, boundaries=True):
+    def loss_fn(params, x, y):
+        return torch.nn.functional.cross_entropy(pm.forward(params, x, boundaries), y)
+
+    def step(params, x, y):
+        loss, grads = shardspec.value_and_grad(loss_fn, microbatches=microbatches)(params, x, y)
+        return loss, grads
+
+    return step
+
+
+def _run_error(step, shape, pipeline, layers=2, batch=BATCH):
+    params = pm.init(layers, D, HIDDEN, CLASSES)
+    x, y = pm.data(batch, D, CLASSES)
+    run = sharded(
+        step, mesh=Mesh(shape, simulate=True), in_specs=(P(), P(), P()), out_specs=P(), pipeline=pipeline
+    )
+    return run(params, x, y)
+
+
+def test_error_too_few_boundaries():
+    with pytest.raises(ShardingError, match=r"(?s)needs 4 stages.*1 pipeline_boundary.*Fix:.*at least 3"):
+        _run_error(_step_with(2), {"pp": 4}, Pipeline("pp", "1f1b"))
+
+
+def test_error_microbatches_do_not_divide_the_batch():
+    with pytest.raises(ShardingError, match=r"shape \(15, 8\).*4 microbatches"):
+        _run_error(_step_with(4), {"pp": 2}, Pipeline("pp", "1f1b"), batch=15)
+
+
+def test_error_stage_without_work():
+    def loss_fn(params, x, y):
+        h = shardspec.pipeline_boundary(shardspec.pipeline_boundary(x))
+        return torch.nn.functional.cross_entropy(pm.forward(params, h, False), y)
+
+    def step(params, x, y):
+        return shardspec.value_and_grad(loss_fn, microbatches=2)(params, x, y)
+
+    with pytest.raises(ShardingError, match=r"(?s)stage 0 has no work.*Fix:"):
+        _run_error(step, {"pp": 3}, Pipeline("pp", "gpipe"))
+
+
+def test_error_pipeline_axis_missing():
+    with pytest.raises(ShardingError, match=r"axis='pp'.*not an axis of the mesh dp=2"):
+        _run_error(_step_with(2), {"dp": 2}, Pipeline("pp", "1f1b"))
+
+
+def test_error_virtual_stages_without_interleaving():
+    with pytest.raises(ShardingError, match=r"(?s)only the interleaved schedule.*Fix:"):
+        Pipeline("pp", "1f1b", virtual_stages=2)
+    with pytest.raises(ShardingError, match=r"at least\s+2 stages per rank"):
+        Pipeline("pp", "interleaved", virtual_stages=1)
+
+
+def test_error_spec_over_the_pipeline_axis():
+    params = pm.init(2, D, HIDDEN, CLASSES)
+    x, y = pm.data(BATCH, D, CLASSES)
+    run = sharded(
+        _step_with(2),
+        mesh=Mesh({"pp": 2}, simulate=True),
+        in_specs=(P(), P("pp"), P()),
+        out_specs=P(),
+        pipeline=Pipeline("pp", "1f1b"),
+    )
+    with pytest.raises(ShardingError, match=r"x has spec P\('pp'\).*pipeline axis"):
+        run(params, x, y)
