@@ -1,4 +1,7 @@
-"""Run a function on N local processes joined by torch.distributed, with a hard deadline.
+"""Testing helpers: ``run_distributed`` (N local processes joined by torch.distributed, with a hard
+deadline) and a property-testing kit for users' own models (``meshes()``, ``specs_for(shape, mesh)``
+hypothesis strategies and ``assert_sharding_equivalent``). hypothesis is imported only when a
+strategy is asked for.
 
 Multi-process tests must fail, not hang: if any rank raises, the others are killed at once (they may
 be blocked in a collective waiting for it); if the deadline passes, every rank still running is
@@ -7,6 +10,7 @@ killed and the error names them. Results come back in rank order.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import queue
@@ -220,3 +224,119 @@ def _drain_error(results: Any) -> None:
                 raise DistributedTestError(f"rank {rank} raised:\n{payload}")
     except queue.Empty:
         return
+
+
+# --- property-testing kit for users: random meshes and specs, and the equivalence check ---------
+
+
+def _hypothesis() -> Any:
+    try:
+        from hypothesis import strategies
+    except ImportError:
+        raise ImportError(
+            "shardspec.testing.meshes/specs_for are hypothesis strategies, and hypothesis is not "
+            "installed. Fix: pip install hypothesis (or pip install -e '.[test]')."
+        ) from None
+    return strategies
+
+
+def meshes(max_devices: int = 8, axis_names: Sequence[str] = ("dp", "tp", "sp"), *, min_axes: int = 1) -> Any:
+    """A hypothesis strategy of simulated meshes: ``min_axes``..``len(axis_names)`` axes named in
+    order, sizes 1..4 (size-1 axes included: they must cost nothing), at most ``max_devices`` devices.
+
+    Example::
+
+        @given(mesh=meshes(max_devices=4), data=st.data())
+        def test_my_layer(mesh, data): ...
+    """
+    from shardspec.mesh import Mesh
+
+    st = _hypothesis()
+
+    @st.composite  # type: ignore[untyped-decorator]
+    def draw_mesh(draw: Any) -> Mesh:
+        n_axes = draw(st.integers(min_axes, len(axis_names)))
+        sizes: list[int] = []
+        for _ in range(n_axes):
+            budget = max_devices // math.prod(sizes)
+            sizes.append(draw(st.integers(1, max(1, min(4, budget)))))
+        return Mesh(dict(zip(axis_names, sizes)), simulate=True)
+
+    return draw_mesh()
+
+
+def specs_for(shape: Sequence[int], mesh: Any, *, even: bool = False) -> Any:
+    """A hypothesis strategy of every kind of valid ``P`` for a tensor of ``shape`` on ``mesh``:
+    each mesh axis used at most once, a dim split over one axis or a tuple of axes, or replicated.
+    ``even=True`` only splits a dim whose length the axes' product divides.
+
+    Example::
+
+        spec = data.draw(specs_for((8, 16), mesh))  # e.g. P(None, ("dp", "tp"))
+    """
+    from shardspec.spec import P
+
+    st = _hypothesis()
+
+    @st.composite  # type: ignore[untyped-decorator]
+    def draw_spec(draw: Any) -> P:
+        free = list(mesh.axis_names)
+        entries: list[Any] = []
+        for length in shape:
+            k = draw(st.integers(0, min(2, len(free))))
+            chosen = tuple(draw(st.permutations(free))[:k])
+            if even and chosen and length % math.prod(mesh.shape[a] for a in chosen):
+                chosen = ()
+            for name in chosen:
+                free.remove(name)
+            entries.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+        return P(*entries)
+
+    return draw_spec()
+
+
+def assert_sharding_equivalent(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    *,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **sharded_options: Any,
+) -> Any:
+    """Check that ``sharded(fn, mesh=mesh, in_specs=..., out_specs=...)(*args)`` equals ``fn(*args)``
+    run unsharded, leaf by leaf (``torch.testing.assert_close``: float tolerances by dtype, or
+    ``rtol``/``atol``; integers exactly). Returns the sharded result. A mismatch names the result's
+    path, the mesh and the specs, so a failing hypothesis example reads as a sharding bug report.
+
+    Example::
+
+        assert_sharding_equivalent(loss_fn, (params, x), mesh=Mesh({"dp": 2}, simulate=True),
+                                   in_specs=(P(), P("dp")), out_specs=P())
+    """
+    import optree
+    import torch
+
+    from compiler import sharded
+
+    expected = fn(*args)
+    step = sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **sharded_options)
+    actual = step(*args)
+    want_paths, want, want_def = optree.tree_flatten_with_path(expected, none_is_leaf=False)
+    got, got_def = optree.tree_flatten(actual, none_is_leaf=False)
+    if want_def != got_def:
+        raise AssertionError(f"sharded result tree {got_def} differs from the unsharded {want_def}")
+    for path, w, g in zip(want_paths, want, got):
+        if not isinstance(w, torch.Tensor):
+            continue
+        try:
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+        except AssertionError as exc:
+            where = "result" + "".join(f"[{key!r}]" for key in path)
+            raise AssertionError(
+                f"{where} differs between the sharded and unsharded run on {mesh!r} with "
+                f"in_specs={in_specs!r}, out_specs={out_specs!r}:\n{exc}"
+            ) from None
+    return actual
