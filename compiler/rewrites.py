@@ -1,8 +1,10 @@
 """User-level rewrites applied while tracing, before autograd sees the ops.
 
-``scaled_dot_product_attention`` becomes its math form (q·kᵀ·scale, mask, softmax, ·v), so backward
-is built from ops with sharding rules and batch and head factors pass straight through; fused
-attention kernels have neither rules nor a sharded backward. A matmul with several batch dims (q·kᵀ
+``scaled_dot_product_attention`` over (batch, heads, seq, dim) CPU tensors without a mask, dropout or
+grouped heads becomes the CPU flash kernel itself (``_scaled_dot_product_flash_attention_for_cpu``,
+whose forward and backward have rules with batch and heads as free factors); ATen's own choice of kernel
+depends on conditions a trace should not, and its math fallback merges batch and heads into one dim. Any
+other call becomes the math form (q·kᵀ·scale, mask, softmax, ·v). A matmul with several batch dims (q·kᵀ
 over batch and heads) becomes one ``shardspec::matmul`` node: ATen would merge the batch dims into one
 for ``bmm``, and a merged (batch, heads) dim split over two axes is not a block of anything. Dropout
 with p > 0 is refused: it needs random numbers that do not depend on how a tensor is split, which the
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from compiler import random
 from compiler.sources import user_frame
 from shardspec.errors import fail
 
@@ -129,6 +132,45 @@ def sdpa_math(
     return (batched_matmul if _many_batch_dims(probs, value) else torch.matmul)(probs, value)
 
 
+def _flash_fits(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an SDPA call is one the CPU flash kernel computes exactly as asked."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    call = dict(zip(names, args, strict=False)) | kwargs
+    q, k, v = call.get("query"), call.get("key"), call.get("value")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return False
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    return (
+        call.get("attn_mask") is None
+        and not call.get("dropout_p", 0.0)
+        and set(call) <= set(names)
+        and q.device.type == k.device.type == v.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        and q.shape[:2] == k.shape[:2] == v.shape[:2]
+        and k.shape[2] == v.shape[2]
+        and q.shape[3] == k.shape[3]
+        and min(q.shape[2], k.shape[2]) > 0
+    )
+
+
+def sdpa_fused(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """scaled_dot_product_attention as the CPU flash kernel (``_flash_fits`` calls only)."""
+    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, bool(is_causal), scale=scale
+    )
+    return out  # type: ignore[no-any-return]
+
+
 def _dropout_error(what: str) -> Exception:
     return fail(
         f"{what} at {user_frame()}: dropout with p > 0 needs random numbers that do not "
@@ -194,7 +236,7 @@ class Rewrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _SDPA:
-            return sdpa_math(*args, **kwargs)
+            return (sdpa_fused if _flash_fits(args, kwargs) else sdpa_math)(*args, **kwargs)
         if func in _ONE_HOT:
             return one_hot(*args, **kwargs)
         if func in _LINEAR_CE:
@@ -207,6 +249,8 @@ class Rewrites(TorchFunctionMode):
             )
         if func in _MATMUL and len(args) == 2 and not kwargs and _many_batch_dims(*args):
             return batched_matmul(*args)
+        if func in random.FUNCS:  # counter-based: the same values whatever the mesh (compiler/random.py)
+            return random.rewrite(self, func, args, kwargs)
         if func in _DROPOUT:
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)

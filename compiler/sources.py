@@ -10,8 +10,11 @@ trace.
 
 from __future__ import annotations
 
+import linecache
 import os
+import sys
 import traceback
+from types import FrameType
 from typing import Any
 
 import optree
@@ -26,10 +29,29 @@ LIBRARY_DIRS = tuple(
 ) + tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("compiler", "collectives", "shardspec"))
 
 
+_IS_LIBRARY: dict[str, bool] = {}
+
+
+def _library(filename: str) -> bool:
+    known = _IS_LIBRARY.get(filename)
+    if known is None:
+        path = os.path.abspath(filename)
+        known = _IS_LIBRARY[filename] = path.startswith(LIBRARY_DIRS) or "<frozen" in path
+    return known
+
+
 def user_frame(tb: Any = None) -> str:
     """``file:line: code`` of the innermost frame outside torch, optree and this library."""
-    frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
-    for frame in reversed(frames):
+    if tb is None:  # walk the live frames: formatting the whole stack per traced call is slow
+        live: FrameType | None = sys._getframe(1)
+        while live is not None:
+            name = live.f_code.co_filename
+            if not _library(name):
+                text = linecache.getline(name, live.f_lineno, live.f_globals).strip()
+                return f"{name}:{live.f_lineno}: {text}"
+            live = live.f_back
+        return "<unknown line>"
+    for frame in reversed(traceback.extract_tb(tb)):
         path = os.path.abspath(frame.filename)
         if not path.startswith(LIBRARY_DIRS) and "<frozen" not in path:
             return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"

@@ -2,15 +2,21 @@
 
 Arguments are flattened with optree; tensor leaves become graph inputs (fake tensors of the same shape
 and dtype, so nothing is computed), Python scalars are baked in as constants. The function runs under
-``functionalize`` so in-place ops on intermediates become out-of-place ops, and under
-``make_fx(tracing_mode="fake")`` with the core-ATen decompositions so later stages see a small op set.
+``make_fx(tracing_mode="fake")`` with the core-ATen decompositions so later stages see a small op set,
+except fused kernels that have rules (layer norm's backward, GELU/softmax backward, CPU flash
+attention), which stay one node; a graph with in-place ops is then replayed under ``functionalize`` so
+they become out-of-place ops (a graph without them is functional already and is not traced twice).
 User mistakes that tracing exposes become ShardingErrors naming the argument path and the user's line:
 data-dependent Python control flow, in-place mutation of an argument, non-tensor leaves and results.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import operator
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -48,11 +54,75 @@ def _addmm(
     return out + (bias * beta if beta != 1 else bias)
 
 
+def _layer_norm_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    normalized_shape: Sequence[int],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    output_mask: Sequence[bool],
+) -> Any:
+    """native_layer_norm_backward as the fused kernel for the input's gradient alone plus two sums.
+
+    The input's gradient keeps the leading (batch) dims, the weight and bias gradients sum over them:
+    one rule cannot say both, so a split batch would have to be gathered. Asking the kernel for the
+    input's gradient only (traced as one node, with a rule) and summing ``grad * x_hat`` and ``grad``
+    over the leading dims (pending sums on a split batch) keeps the fused kernel and the split."""
+    if list(output_mask) == [True, False, False]:
+        return NotImplemented  # traced as the fused op itself
+    lead = list(range(x.dim() - len(normalized_shape)))
+    grad_input = (
+        aten.native_layer_norm_backward(
+            grad_out, x, normalized_shape, mean, rstd, weight, bias, [True, False, False]
+        )[0]
+        if output_mask[0]
+        else None
+    )
+    wide = torch.float32 if grad_out.dtype in (torch.float16, torch.bfloat16) else grad_out.dtype
+
+    def total(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        t = t.to(wide)
+        return (torch.sum(t, lead) if lead else t).to(like.dtype)
+
+    grad_weight = (
+        total(grad_out * ((x - mean) * rstd), weight) if output_mask[1] and weight is not None else None
+    )
+    grad_bias = total(grad_out, bias) if output_mask[2] and bias is not None else None
+    return grad_input, grad_weight, grad_bias
+
+
 _EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.mean.dim: _mean,
     aten.mean.default: lambda x, *, dtype=None: _mean(x, dtype=dtype),
     aten.addmm.default: _addmm,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
+
+# Fused kernels kept as one node: each has a rule (compiler/rules), so decomposing it would only
+# replace one kernel by a chain of elementwise ops the per-rank program then runs one by one.
+KEPT_FUSED: tuple[Any, ...] = (
+    aten.gelu_backward.default,
+    aten.tanh_backward.default,
+    aten.sigmoid_backward.default,
+    aten.silu_backward.default,
+    aten.threshold_backward.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+
+@functools.cache
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """Core-ATen decompositions plus ours, minus the fused kernels that have rules (built once:
+    collecting torch's table walks every op's overloads)."""
+    table = cast(dict[Any, Callable[..., Any]], dict(core_aten_decompositions()))
+    for op in KEPT_FUSED:
+        table.pop(op, None)
+    table.update(_EXTRA_DECOMPOSITIONS)
+    return table
 
 
 @dataclass(frozen=True)
@@ -82,16 +152,29 @@ def path_str(root: str, path: Sequence[Any]) -> str:
     return root + "".join(f"[{k!r}]" for k in path)
 
 
+_NAMES: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
 def arg_names(fn: Callable[..., Any], n: int) -> list[str]:
-    """Names of the first ``n`` positional parameters of ``fn`` (``args[i]`` where unknown)."""
+    """Names of the first ``n`` positional parameters of ``fn`` (``args[i]`` where unknown).
+
+    Cached per function: every call of a sharded step names its arguments (``inspect.signature``
+    costs tens of microseconds, once per tensor leaf)."""
     try:
-        params = [
-            p.name
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        params = []
+        params = _NAMES.get(fn)
+    except TypeError:
+        params = None
+    if params is None:
+        try:
+            params = tuple(
+                p.name
+                for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            )
+        except (TypeError, ValueError):
+            params = ()
+        with contextlib.suppress(TypeError):
+            _NAMES[fn] = params
     return [params[i] if i < len(params) else f"args[{i}]" for i in range(n)]
 
 
@@ -162,8 +245,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
     while autograd is being traced; the second pass replays the first graph through an
     fx.Interpreter, which carries every node's source line over to the nodes it becomes.
     """
-    decomp = cast(Any, core_aten_decompositions())
-    decomp.update(_EXTRA_DECOMPOSITIONS)
+    decomp = decompositions()
 
     def with_sources(*tensors: torch.Tensor) -> Any:
         with SourceTracker(), Rewrites(), BackwardSources():  # type: ignore[no-untyped-call]
@@ -176,6 +258,8 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
         )(*inputs)
         _reject_constant_mutation(first)
         _reject_scalar_extraction(first)
+        if _already_functional(first):
+            return first
         replay = torch.fx.Interpreter(first).run
         return make_fx(
             torch.func.functionalize(replay, remove="mutations_and_views"),
@@ -183,6 +267,54 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
             decomposition_table=decomp,
             _allow_non_fake_inputs=True,
         )(*inputs)
+
+
+# view ops whose results the later stages handle as values (each has a rule in both its view and
+# *_copy form); a graph with only these and no mutation is functional already
+_PURE_VIEWS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "permute",
+        "t",
+        "transpose",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "unbind",
+    }
+)
+
+
+def _already_functional(module: torch.fx.GraphModule) -> bool:
+    """Whether the first trace needs no functionalization: no op mutates, every view is one the
+    rules take as a value, and no result is (a view of) an argument or a constant, which
+    functionalization would turn into a fresh tensor. Skipping the second trace halves tracing."""
+    aliases: set[torch.fx.Node] = set()
+    for n in module.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            aliases.add(n)
+        if n.op != "call_function":
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is None:
+            if n.target is operator.getitem and n.args[0] in aliases:
+                aliases.add(n)
+            continue
+        if schema.is_mutable:
+            return False
+        if any(r.alias_info is not None for r in schema.returns):
+            if n.target._opname not in _PURE_VIEWS:
+                return False
+            if any(a in aliases for a in n.all_input_nodes):
+                aliases.add(n)
+    out = next(n for n in module.graph.nodes if n.op == "output")
+    return not any(a in aliases for a in out.all_input_nodes)
 
 
 def _reject_constant_mutation(module: torch.fx.GraphModule) -> None:

@@ -44,6 +44,17 @@ def _i(*shape: int, hi: int = 3) -> torch.Tensor:
     return torch.randint(0, hi, shape)
 
 
+def _ln_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = x.mean(-1, keepdim=True)
+    return mean, (x.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+
+
+def _flash_backward_args(causal: bool) -> tuple[Any, ...]:
+    q, k, v = _r(2, 3, 5, 4), _r(2, 3, 5, 4), _r(2, 3, 5, 4)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return (_r(2, 3, 5, 4), q, k, v, out, lse, 0.0, causal)
+
+
 def _hand() -> dict[Any, list[Call]]:
     """Calls for ops no generic pattern reaches, and the call variants that change a claim."""
     x, y, w = _r(3, 4), _r(3, 4), _r(4, 5)
@@ -100,6 +111,20 @@ def _hand() -> dict[Any, list[Call]]:
         aten.embedding.default: [((w, idx), {})],
         aten.index.Tensor: [((x, [idx]), {})],
         aten.native_layer_norm.default: [((x, [4], _r(4), _r(4), 1e-5), {})],
+        aten.native_layer_norm_backward.default: [
+            ((y, x, [4], *_ln_stats(x), _r(4), _r(4), [True, False, False]), {}),
+            ((y, x, [4], *_ln_stats(x), None, None, [True, False, False]), {}),
+        ],
+        aten._scaled_dot_product_flash_attention_for_cpu.default: [
+            ((_r(2, 3, 5, 4), _r(2, 3, 6, 4), _r(2, 3, 6, 4), 0.0, False), {}),
+            ((_r(2, 3, 5, 4), _r(2, 3, 5, 4), _r(2, 3, 5, 4), 0.0, True), {}),
+        ],
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: [
+            (_flash_backward_args(causal), {}) for causal in (False, True)
+        ],
+        torch.ops.shardspec.adamw.default: [
+            ((x, y, _r(3, 4), _r(3, 4), torch.tensor(3.0), 1e-2, 0.9, 0.999, 1e-8, 0.1), {})
+        ],
         aten.split_with_sizes.default: [((x, [1, 3], 1), {})],
         aten.split_with_sizes_copy.default: [((x, [1, 3], 1), {})],
         aten.split.Tensor: [((x, 2, 1), {})],

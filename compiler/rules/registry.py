@@ -16,7 +16,9 @@ from torch.fx import Node
 
 import compiler.pipeline.boundary  # defines torch.ops.shardspec.pipeline_boundary
 import compiler.rewrites  # noqa: F401  (defines torch.ops.shardspec.matmul)
+import shardspec.optim  # noqa: F401  (defines torch.ops.shardspec.adamw)
 from compiler.rules import builders as b
+from compiler.rules import fused
 from compiler.rules import indexing as ix
 from compiler.rules import reductions as red
 from compiler.rules import spatial as sp
@@ -315,6 +317,10 @@ REGISTRY.update(
         aten.grid_sampler_3d_backward.default: tf.grid_sampler_backward,
         aten.complex.default: partial(b.elementwise, linear="none"),
         aten.polar.default: partial(b.elementwise, linear="none"),
+        aten.native_layer_norm_backward.default: fused.layer_norm_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu.default: fused.flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: fused.flash_attention_backward,
+        torch.ops.shardspec.adamw.default: fused.adamw,
     }
 )
 
@@ -344,6 +350,8 @@ NO_EMPTY_BLOCKS = {
     aten.max_pool3d_with_indices_backward.default,
     aten.adaptive_max_pool2d_backward.default,
     aten.adaptive_max_pool3d_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 }
 
 

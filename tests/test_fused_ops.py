@@ -1,0 +1,196 @@
+"""Fused kernels kept through tracing (flash attention, layer norm's backward, GELU's backward,
+softmax's backward, the AdamW update): the traced step holds the fused node, and the sharded step,
+forward and backward, equals the unsharded one for splits over each free factor, even and uneven."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples.models import gpt
+from shardspec import Mesh, P, optim, sharded, value_and_grad
+
+aten = torch.ops.aten
+DP2 = Mesh({"dp": 2}, simulate=True)
+DP2TP2 = Mesh({"dp": 2, "tp": 2}, simulate=True)
+DP3 = Mesh({"dp": 3}, simulate=True)
+
+
+def _gen(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(
+        *shape, generator=torch.Generator().manual_seed(seed + sum(shape)), dtype=torch.float64
+    )
+
+
+def _ops(step: Any, *args: Any) -> Counter[str]:
+    low = step.lower(*args)
+    return Counter(str(n.target) for n in low.program.programs[0].graph.nodes if n.op == "call_function")
+
+
+def _check(fn: Any, args: tuple[Any, ...], specs: tuple[P, ...], mesh: Mesh, argnums: Any) -> Any:
+    vg = value_and_grad(fn, argnums=argnums)
+    grads = specs[argnums] if isinstance(argnums, int) else tuple(specs[i] for i in argnums)
+    step = sharded(vg, mesh=mesh, in_specs=specs, out_specs=(P(), grads))
+    got, want = step(*args), vg(*args)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    return step
+
+
+def _attention(causal: bool) -> Any:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal).sin().sum()
+
+    return fn
+
+
+ATTENTION_SPECS = [
+    ("batch", DP2, P("dp"), P("dp"), 4),
+    ("heads", DP2, P(None, "dp"), P(None, "dp"), 4),
+    ("batch_and_heads", DP2TP2, P("dp", "tp"), P("dp", "tp"), 4),
+    ("uneven_batch", DP3, P("dp"), P("dp"), 4),
+    ("uneven_heads", DP2, P(None, "dp"), P(None, "dp"), 3),
+    ("query_seq", DP2, P(None, None, "dp"), P(), 4),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", ATTENTION_SPECS, ids=lambda c: c[0])
+def test_flash_attention_sharded_equals_unsharded(case: Any, causal: bool) -> None:
+    _, mesh, qspec, kvspec, heads = case
+    q, k, v = _gen(4, heads, 6, 8), _gen(4, heads, 5, 8, seed=1), _gen(4, heads, 5, 8, seed=2)
+    if causal:
+        k, v = _gen(4, heads, 6, 8, seed=1), _gen(4, heads, 6, 8, seed=2)
+    step = _check(_attention(causal), (q, k, v), (qspec, kvspec, kvspec), mesh, (0, 1, 2))
+    ops = _ops(step, q, k, v)
+    assert ops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 1
+    assert ops["aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] == 1
+    assert ops["aten._softmax.default"] == 0  # not the math form
+
+
+def test_heads_split_attention_moves_nothing() -> None:
+    """Batch and heads are free factors: a heads split runs attention and its backward locally."""
+    q, k, v = (_gen(2, 4, 6, 8, seed=s) for s in range(3))
+    step = _check(
+        _attention(True), (q, k, v), (P(None, "tp"),) * 3, Mesh({"tp": 2}, simulate=True), (0, 1, 2)
+    )
+    kinds = {c.kind for c in step.lower(q, k, v).collectives()}
+    assert kinds <= {"all_reduce"}, kinds  # only the scalar loss
+
+
+def test_attention_with_mask_or_dropout_free_shapes_keeps_the_math_form() -> None:
+    """A call the flash kernel does not take as asked (a mask) is traced as math, still sharded."""
+    q, k, v = (_gen(2, 2, 4, 8, seed=s) for s in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+    step = _check(fn, (q, k, v), (P("dp"),) * 3, DP2, (0, 1, 2))
+    assert _ops(step, q, k, v)["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 0
+
+
+def _norm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    h = F.layer_norm(x, (x.shape[-1],), w, b)
+    return (F.gelu(h, approximate="tanh") + F.gelu(h)).log_softmax(-1).softmax(-1).square().sum()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("batch", DP2, P("dp")),
+        ("uneven_batch", DP3, P("dp")),
+        ("seq", DP2, P(None, "dp")),
+        ("both", DP2TP2, P("dp", "tp")),
+    ],
+    ids=lambda c: c[0],
+)
+def test_layer_norm_gelu_softmax_backward_sharded_equals_unsharded(case: Any) -> None:
+    """Layer norm's backward kernel computes the input's gradient only; its weight and bias
+    gradients are sums over the split leading dims (pending sums), so the batch stays split."""
+    _, mesh, xspec = case
+    x, w, b = _gen(4, 6, 8), _gen(8, seed=1), _gen(8, seed=2)
+    step = _check(_norm_gelu, (x, w, b), (xspec, P(), P()), mesh, (0, 1, 2))
+    ops = _ops(step, x, w, b)
+    for name in (
+        "native_layer_norm_backward",
+        "gelu_backward",
+        "_softmax_backward_data",
+        "_log_softmax_backward_data",
+    ):
+        assert ops[f"aten.{name}.default"] >= 1, name
+    if mesh is not DP3:  # (sums over an uneven split are planned as gathers, by the sum rule)
+        assert "all_gather" not in {c.kind for c in step.lower(x, w, b).collectives()}
+
+
+def test_layer_norm_without_affine_and_with_two_normalized_dims() -> None:
+    x = _gen(4, 3, 5)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (3, 5)).exp().sum()
+
+    _check(fn, (x,), (P("dp"),), DP2, 0)
+
+
+def test_gpt_step_traces_fused_kernels() -> None:
+    """The example GPT's training step keeps every fused kernel and no decomposed chain."""
+    cfg = gpt.Config(layers=1)
+    params, opt = gpt.init(cfg), optim.adamw(lr=1e-3, eps=1e-6)  # (zero key-bias grad)
+    tok = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(0))
+
+    def train(p: Any, s: Any, tok: torch.Tensor) -> Any:
+        loss, grads = value_and_grad(gpt.loss_fn)(p, tok, tok, cfg)
+        return (*opt.update(grads, s, p), loss)
+
+    pspec = {k: P() for k in params}
+    step = sharded(
+        train,
+        mesh=DP2,
+        in_specs=(pspec, opt.state_specs(pspec), P("dp")),
+        out_specs=(pspec, opt.state_specs(pspec), P()),
+    )
+    state = opt.init(params)
+    ops = _ops(step, params, state, tok)
+    assert ops["shardspec.adamw.default"] == len(params)
+    for name in ("native_layer_norm", "native_layer_norm_backward", "gelu", "gelu_backward"):
+        assert ops[f"aten.{name}.default"] >= 1, name
+    assert ops["aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] == cfg.layers
+    assert ops["aten.tanh.default"] == 0 and ops["aten.rsqrt.default"] == 0  # no decomposed GELU / norm
+    p1, s1, loss = step(params, state, tok)
+    q1, t1, want = train(params, state, tok)
+    torch.testing.assert_close(loss, want)
+    for a, b in zip(optree.tree_leaves((p1, s1)), optree.tree_leaves((q1, t1)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh", [DP2, DP3], ids=["even", "uneven"])
+def test_adamw_node_sharded_equals_unsharded_and_torch(mesh: Mesh) -> None:
+    """The fused AdamW node on ZeRO-style split state equals the unsharded update and torch's."""
+    opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+    params = {"w": _gen(5, 4), "b": _gen(5, seed=3)}
+    grads = {"w": _gen(5, 4, seed=4), "b": _gen(5, seed=5)}
+    spec = {"w": P("dp"), "b": P("dp")}
+    step = sharded(
+        opt.update,
+        mesh=mesh,
+        in_specs=(spec, opt.state_specs(spec), spec),
+        out_specs=(spec, opt.state_specs(spec)),
+    )
+    state = opt.init(params)
+    refs = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    torch_opt = torch.optim.AdamW(list(refs.values()), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        want = opt.update(grads, state, params)
+        params, state = step(grads, state, params)
+        for a, b in zip(optree.tree_leaves((params, state)), optree.tree_leaves(want), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for k, r in refs.items():
+            r.grad = grads[k].clone()
+        torch_opt.step()
+    for k, r in refs.items():
+        torch.testing.assert_close(params[k], r.detach(), rtol=0, atol=0)
