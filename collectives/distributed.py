@@ -255,10 +255,24 @@ def broadcast(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, src: int) -> t
     return out
 
 
+# Sends in flight: c10d's blocking send waits for the matching receive, so two ranks each sending
+# before receiving would deadlock where the simulated mailbox does not. Sends are posted (isend)
+# and completed by ``wait_sends`` (the pipeline runtime calls it at the end of a step).
+_SENDS: list[tuple[Any, torch.Tensor]] = []
+
+
 def send(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dst: int) -> None:
     members = mesh.group_of(mesh.rank, axes)
     accounting.record("send", axes, x, tuple(members), {mesh.rank: accounting.p2p_bytes(x, True)})
-    dist.send(x.contiguous(), dst=members[dst])  # world group, global rank: see ppermute
+    buf = x.contiguous()
+    _SENDS.append((dist.isend(buf, dst=members[dst]), buf))  # world group, global rank: see ppermute
+
+
+def wait_sends() -> None:
+    """Complete every posted send (their buffers are held until then)."""
+    while _SENDS:
+        work, _ = _SENDS.pop(0)
+        work.wait()
 
 
 def recv(mesh: Mesh, axes: tuple[str, ...], out: torch.Tensor, src: int) -> torch.Tensor:

@@ -301,11 +301,15 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
     from torch.distributed.tensor import DTensor
 
     mesh = program.mesh
+    pp = program.pipeline
+    reads = pp.per_rank[mesh.rank].reads if pp is not None else None
     local = []
-    for t, path, want, where in zip(
-        tensors, program.traced.in_paths, plan.in_placements, plan.in_slices, strict=True
+    for i, (t, path, want, where) in enumerate(
+        zip(tensors, program.traced.in_paths, plan.in_placements, plan.in_slices, strict=True)
     ):
-        if isinstance(t, DTensor):
+        if reads is not None and i not in reads:  # another pipeline stage's value: not held here
+            local.append(torch.empty(0, dtype=t.dtype))
+        elif isinstance(t, DTensor):
             inputs.check_dtensor_mesh(t, mesh, path)
             if tuple(t.placements) != want:
                 t = t.redistribute(mesh.device_mesh, list(want))
@@ -313,7 +317,15 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
         else:
             local.append(t[where].contiguous())
     with torch.no_grad():
-        outs = program.programs[mesh.rank](*local)
+        outs = list(program.programs[mesh.rank](*local))
+    if pp is not None:
+        from collectives.distributed import wait_sends
+
+        wait_sends()
+        # a value of another stage: an empty block here (the next step reads it only on its stage)
+        outs = [
+            torch.empty(0, dtype=t.dtype) if o is None else o for o, t in zip(outs, program.traced.outputs)
+        ]
     device_mesh = mesh.device_mesh
     return [
         DTensor.from_local(out, device_mesh, placements, run_check=False, shape=shape, stride=stride)
@@ -324,10 +336,13 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
 
 
 def _program_digest(program: Program, rank: int) -> int:
-    """A hash of the input shapes and the collective sequence of this rank's program."""
+    """A hash of the input shapes and the collective sequence of this rank's program (of every
+    rank's, for a pipeline, whose positions run different programs)."""
+    ranks = range(program.mesh.size) if program.pipeline is not None else [rank]
     calls = [
         n
-        for n in program.programs[rank].graph.nodes
+        for r in ranks
+        for n in program.programs[r].graph.nodes
         if n.op == "call_function" and getattr(n.target, "namespace", "") == "shardspec"
     ]
     text = repr([(i.shape, i.dtype) for i in program.traced.inputs]) + "\n".join(

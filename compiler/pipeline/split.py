@@ -113,7 +113,7 @@ def _weight_nodes(gm: GraphModule, labels: dict[Node, Label], p: int) -> set[Nod
 
 
 def _replicated(
-    nodes: Sequence[Node], where: dict[Node, int], labels: dict[Node, Label]
+    nodes: Sequence[Node], where: dict[Node, int], labels: dict[Node, Label], p: int
 ) -> dict[Node, frozenset[int]]:
     """Nodes outside microbatches computed from inputs and constants alone (the batch split into
     microbatches, a step counter) that other positions read: each position computes its own copy
@@ -130,6 +130,8 @@ def _replicated(
     for n in reversed(nodes):
         if n in pure:
             need[n] = {q for u in n.users if u in where for q in (need.get(u) or {where[u]})}
+            if any(u.op == "output" for u in n.users):  # a result (a step counter): every position
+                need[n] |= set(range(p))  # holds it, for whichever reads it in the next step
     return {n: frozenset(qs) for n, qs in need.items() if qs - {where[n]}}
 
 
@@ -181,7 +183,7 @@ def split_program(
     keys = {n: _key(n, lab, weight) for n, lab in labels.items()}
     nodes = list(gm.graph.nodes)
     where = {n: lab.stage % p for n, lab in labels.items()}
-    copies = _replicated(nodes, where, labels)
+    copies = _replicated(nodes, where, labels, p)
     for n in copies:
         keys[n] = ("T", n.name)
     orders = [_order(nodes, keys, where, copies, lists[r], r) for r in range(p)]
@@ -296,6 +298,9 @@ def _emit(
         if isinstance(v, Node) and v.op == "placeholder":
             owners.append(q)  # every position holds its inputs
             results.append(mapped(v))
+        elif isinstance(v, Node) and v in copies:  # computed on several positions: each returns it
+            owners.append(q if q in copies[v] else min(copies[v]))
+            results.append(env[v] if q in copies[v] else None)
         elif isinstance(v, Node) and v in keys:
             owners.append(where[v])
             results.append(env[v] if where[v] == q else None)
