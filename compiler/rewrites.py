@@ -7,10 +7,10 @@ depends on conditions a trace should not, and its math fallback merges batch and
 other call becomes the math form (q·kᵀ·scale, mask, softmax, ·v). A matmul with several batch dims (q·kᵀ
 over batch and heads) becomes one ``shardspec::matmul`` node: ATen would merge the batch dims into one
 for ``bmm``, and a merged (batch, heads) dim split over two axes is not a block of anything. Dropout
-with p > 0 is refused: it needs random numbers that do not depend on how a tensor is split, which the
-runtime does not provide yet. ``one_hot`` becomes a comparison with ``arange`` (its kernel validates
-label values, which a shape-only trace cannot do). ``linear_cross_entropy`` becomes linear then
-cross_entropy (its chunked kernel is one opaque op that function transforms cannot differentiate);
+and ``torch.rand*`` become counter-based (``compiler/random.py``: the same values whatever the
+split); dropout inside SDPA, alpha dropout and other random ops are refused. ``one_hot`` becomes a
+comparison with ``arange`` (its kernel validates label values, which a shape-only trace cannot do).
+``linear_cross_entropy`` becomes linear then cross_entropy (its chunked kernel is one opaque op that function transforms cannot differentiate);
 ``tensor_split`` at points held in a tensor is refused (the pieces' sizes depend on values).
 """
 

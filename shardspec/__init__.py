@@ -42,6 +42,8 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name == "checkpoint":  # imported on first use: it loads torch.distributed.checkpoint
         return importlib.import_module("shardspec.checkpoint")
+    if name == "random":
+        return importlib.import_module("shardspec.random")
     if name in _COMPILER:
         import compiler
 

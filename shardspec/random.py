@@ -1,0 +1,81 @@
+"""Random numbers inside a sharded step that do not depend on the mesh or the specs.
+
+Inside ``@sharded`` (and in an eager run inside ``rng(key)``), ``F.dropout`` (``nn.Dropout``,
+``dropout1d/2d/3d``) and ``torch.rand`` / ``randn`` / ``rand_like`` / ``randn_like`` are computed
+counter-based: an element's value is a function of the key, the op's position in the step (trace
+order) and the element's index in the *global* tensor, never of which device holds it. So a sharded
+step with dropout drops exactly the elements the unsharded step drops, on every mesh.
+
+The key is an explicit input, JAX-style: make one with ``key(seed)``, derive one per step with
+``fold_in(key, step)``, pass it to the step like any tensor (spec ``P()``) and draw under
+``rng(key)``. Without ``rng``, draws use the documented default seed 0, so every call of the step
+draws the same masks. Example::
+
+    base = shardspec.random.key(0)
+
+    @sharded(mesh=mesh, in_specs=(pspec, P("dp"), P()), out_specs=P())
+    def step(params, x, key):
+        with shardspec.random.rng(key):
+            return loss_fn(params, x)  # F.dropout inside draws from key
+
+    for i in range(steps):
+        loss = step(params, x, shardspec.random.fold_in(base, i))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+DEFAULT_SEED = 0
+
+
+def key(seed: int) -> torch.Tensor:
+    """A random key: an int64 scalar tensor holding ``seed`` (0 <= seed < 2^63).
+
+    Example::
+
+        >>> shardspec.random.key(42)
+        tensor(42)
+    """
+    if not isinstance(seed, int) or not 0 <= seed < 2**63:
+        from shardspec.errors import fail
+
+        raise fail(f"random.key({seed!r}): a seed is an int in [0, 2^63).", "pass e.g. random.key(0).")
+    return torch.tensor(seed, dtype=torch.int64)
+
+
+def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
+    """A new key derived from ``key`` and ``data`` (e.g. the step number): different data give
+    unrelated streams. Works eagerly and inside a step.
+
+    Example::
+
+        >>> k1 = shardspec.random.fold_in(shardspec.random.key(0), 1)
+    """
+    from compiler.random import _M32, _hash
+
+    d = torch.as_tensor(data, dtype=torch.int64)
+    low = _hash(torch.remainder(key.to(torch.int64), _M32) ^ _hash(torch.remainder(d, _M32)))
+    return _hash(low ^ torch.div(key.to(torch.int64), _M32, rounding_mode="floor")) + _M32 * torch.remainder(
+        torch.div(d, _M32, rounding_mode="floor"), _M32
+    )
+
+
+@contextlib.contextmanager
+def rng(key: torch.Tensor | int) -> Iterator[None]:
+    """Draw dropout masks and ``torch.rand*`` values in the block from ``key`` (a tensor from
+    ``key()``/``fold_in()``, or an int seed). Inside a step each random op takes the next counter in
+    trace order, so the same step draws the same values on every mesh.
+
+    Example::
+
+        with shardspec.random.rng(key):
+            h = F.dropout(h, p=0.1)
+    """
+    from compiler.random import rng as _rng
+
+    with _rng(key):
+        yield

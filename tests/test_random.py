@@ -1,0 +1,146 @@
+"""Counter-based randomness: dropout masks and torch.rand* values inside a step are the same on every
+mesh and spec (bit for bit), depend on the key and the op's trace order, and have the right
+distributions; the dropout GPT matches its unsharded run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardspec
+from examples.models import gpt, gpt_dropout
+from examples.train_gpt import OPT, batch, strategy_specs
+from shardspec import Mesh, P, sharded
+from shardspec.testing import meshes, specs_for
+
+ONE = Mesh({"dp": 1}, simulate=True)
+
+
+def draws(x: torch.Tensor, key: torch.Tensor) -> dict[str, torch.Tensor]:
+    with shardspec.random.rng(key):
+        return {
+            "dropout": F.dropout(x, 0.3),
+            "rand": torch.rand(x.shape),
+            "randn_like": torch.randn_like(x),
+            "dropout2d": F.dropout2d(x.unsqueeze(-1), 0.5).squeeze(-1) if x.dim() == 2 else x,
+        }
+
+
+@settings(deadline=None, max_examples=12)
+@given(mesh=meshes(max_devices=6), data=st.data(), shape=st.sampled_from([(8, 6), (5, 7), (3, 4, 5), (9,)]))
+def test_draws_are_identical_on_every_mesh_and_spec(
+    mesh: Mesh, data: st.DataObject, shape: tuple[int, ...]
+) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    key = shardspec.random.key(data.draw(st.integers(0, 2**40)))
+    spec = data.draw(specs_for(shape, mesh), label="spec")
+    out_spec = data.draw(specs_for(shape, mesh), label="out_spec")
+    want = draws(x, key)  # eager, in the same rng scope
+    got = sharded(draws, mesh=mesh, in_specs=(spec, P()), out_specs=out_spec)(x, key)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_the_key_and_the_trace_order_decide_the_values() -> None:
+    x = torch.ones(64, 64)
+    a, b = draws(x, shardspec.random.key(1)), draws(x, shardspec.random.key(2))
+    assert not torch.equal(a["dropout"], b["dropout"]) and not torch.equal(a["rand"], b["rand"])
+    with shardspec.random.rng(shardspec.random.key(1)):
+        first, second = torch.rand(64, 64), torch.rand(64, 64)
+    assert not torch.equal(first, second)  # each op its own counter
+    assert not torch.equal(
+        shardspec.random.fold_in(shardspec.random.key(0), 1),
+        shardspec.random.fold_in(shardspec.random.key(0), 2),
+    )
+
+
+def test_without_a_key_a_step_draws_from_the_default_seed() -> None:
+    def noise(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(x.shape)
+
+    x = torch.zeros(4, 4)
+    got = sharded(noise, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"),), out_specs=P())(x)
+    with shardspec.random.rng(shardspec.random.DEFAULT_SEED):
+        assert torch.equal(got, noise(x))
+
+
+def test_distributions() -> None:
+    with shardspec.random.rng(shardspec.random.key(3)):
+        u = torch.rand(200_000)
+        n = torch.randn(200_000)
+        kept = (F.dropout(torch.ones(200_000), 0.25) != 0).float()
+        scaled = F.dropout(torch.ones(1000), 0.25)
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    assert torch.histc(u, bins=10, min=0, max=1).div(20_000).sub(1).abs().max() < 0.05
+    assert abs(float(n.mean())) < 0.01 and abs(float(n.std()) - 1) < 0.01
+    assert abs(float(kept.mean()) - 0.75) < 0.005
+    assert set(scaled.unique().tolist()) <= {0.0, torch.tensor(1 / 0.75).item()}
+
+
+def _per_token(cfg: gpt.Config) -> object:
+    def fn(
+        p: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor, key: torch.Tensor
+    ) -> torch.Tensor:
+        with shardspec.random.rng(key):
+            logits = gpt_dropout.forward(p, tokens, cfg, 0.1)
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none")
+
+    return fn
+
+
+# meshes that split the batch (and the parameters, ZeRO-3), so no sum is split: bit for bit
+BITWISE = [({"dp": 2}, "dp"), ({"dp": 4}, "zero3"), ({"dp": 2, "sp": 2}, "zero3")]
+
+
+@pytest.mark.parametrize(("axes", "strategy"), BITWISE, ids=["dp2", "zero3-dp4", "zero3-dp2xsp2"])
+def test_dropout_gpt_forward_equals_unsharded_bit_for_bit(axes: dict[str, int], strategy: str) -> None:
+    cfg = gpt.Config(layers=1)
+    params, (tokens, targets), key = gpt.init(cfg), batch(0, cfg), shardspec.random.key(7)
+    want = _per_token(cfg)(params, tokens, targets, key)  # plain torch, in the same rng scope
+    pspec = strategy_specs(strategy, params, axes)
+    bspec = P(tuple(axes))  # batch over every axis
+    got = sharded(
+        _per_token(cfg), mesh=Mesh(axes, simulate=True), in_specs=(pspec, bspec, bspec, P()), out_specs=P()
+    )(params, tokens, targets, key)
+    assert torch.equal(got, want)
+    assert not torch.equal(
+        want,
+        F.cross_entropy(
+            gpt.forward(params, tokens, cfg).reshape(-1, cfg.vocab), targets.reshape(-1), reduction="none"
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("axes", "strategy"), [({"dp": 2}, "dp"), ({"dp": 2, "tp": 2}, "dp-tp"), ({"dp": 2, "tp": 2}, "zero3-tp")]
+)
+def test_dropout_gpt_training_step_equals_unsharded(axes: dict[str, int], strategy: str) -> None:
+    """With split sums (gradients over dp, tensor-parallel contractions) the step equals the
+    unsharded one to float rounding, as without dropout; a different mask would differ by far more."""
+    cfg = gpt.Config(layers=1)
+    params, (tokens, targets) = gpt.init(cfg), batch(0, cfg)
+
+    def step(p: object, s: object, tokens: torch.Tensor, targets: torch.Tensor, key: torch.Tensor) -> object:
+        loss, grads = shardspec.value_and_grad(gpt_dropout.loss_fn)(p, tokens, targets, key, cfg)
+        p, s = OPT.update(grads, s, p)
+        return p, s, loss
+
+    state, key = OPT.init(params), shardspec.random.key(11)
+    want_p, _, want_loss = step(params, state, tokens, targets, key)
+    pspec = strategy_specs(strategy, params, axes)
+    sspec = OPT.state_specs(pspec)
+    sharded_step = sharded(
+        step,
+        mesh=Mesh(axes, simulate=True),
+        in_specs=(pspec, sspec, P("dp"), P("dp"), P()),
+        out_specs=(pspec, sspec, P()),
+    )
+    got_p, _, got_loss = sharded_step(params, state, tokens, targets, key)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+    _, _, other_loss = step(params, state, tokens, targets, shardspec.random.key(12))
+    assert abs(float(other_loss - want_loss)) > 1e-4
