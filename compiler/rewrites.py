@@ -10,7 +10,8 @@ for ``bmm``, and a merged (batch, heads) dim split over two axes is not a block 
 and ``torch.rand*`` become counter-based (``compiler/random.py``: the same values whatever the
 split); dropout inside SDPA, alpha dropout and other random ops are refused. ``one_hot`` becomes a
 comparison with ``arange`` (its kernel validates label values, which a shape-only trace cannot do).
-``linear_cross_entropy`` becomes linear then cross_entropy (its chunked kernel is one opaque op that function transforms cannot differentiate);
+``linear_cross_entropy`` becomes linear then cross_entropy (its chunked kernel is one opaque op
+that function transforms cannot differentiate);
 ``tensor_split`` at points held in a tensor is refused (the pieces' sizes depend on values).
 """
 
