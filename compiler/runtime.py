@@ -15,6 +15,7 @@ import torch
 
 from collectives.simulated import run_simulated
 from compiler import inputs
+from compiler.backend import wrap_results
 from compiler.constrain import constrain
 from compiler.lowered import Lowered
 from compiler.program import Program, broadcast_specs, compile_program
@@ -326,13 +327,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
         outs = [
             torch.empty(0, dtype=t.dtype) if o is None else o for o, t in zip(outs, program.traced.outputs)
         ]
-    device_mesh = mesh.device_mesh
-    return [
-        DTensor.from_local(out, device_mesh, placements, run_check=False, shape=shape, stride=stride)
-        for out, placements, shape, stride in zip(
-            outs, plan.out_placements, plan.out_shapes, plan.out_strides, strict=True
-        )
-    ]
+    return wrap_results(outs, mesh.device_mesh, plan.out_placements, plan.out_shapes, plan.out_strides)
 
 
 def _program_digest(program: Program, rank: int) -> int:
