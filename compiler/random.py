@@ -136,6 +136,12 @@ def _size(args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
     return [int(s) for s in size]
 
 
+def handles(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` is drawn counter-based: dropout, and rand* without an explicit torch
+    Generator (whose own stream a user asked for; it stays refused inside a step)."""
+    return func in FUNCS and kwargs.get("generator") is None
+
+
 def rewrite(owner: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Compute ``func`` (dropout or rand*) counter-based. Draws come from the innermost
     ``rng(key)`` scope, else from a default stream kept on ``owner`` (one per trace)."""
@@ -166,7 +172,7 @@ class _RandomMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in FUNCS:
+        if handles(func, kwargs):
             return rewrite(self, func, args, kwargs)
         return func(*args, **kwargs)
 

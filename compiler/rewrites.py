@@ -174,9 +174,11 @@ def sdpa_fused(
 
 def _dropout_error(what: str) -> Exception:
     return fail(
-        f"{what} at {user_frame()}: dropout with p > 0 needs random numbers that do not "
-        "depend on how tensors are split, which shardspec does not provide yet.",
-        "use p=0 (or eval mode) inside the sharded step.",
+        f"{what} at {user_frame()}: this dropout has no counter-based form (F.dropout and "
+        "dropout1d/2d/3d do: the same mask on every mesh), and its own random numbers would "
+        "depend on how tensors are split.",
+        "use p=0 (or eval mode) here, or F.dropout (e.g. on the attention probabilities of a math "
+        "attention instead of scaled_dot_product_attention's dropout_p).",
     )
 
 
@@ -250,7 +252,7 @@ class Rewrites(TorchFunctionMode):
             )
         if func in _MATMUL and len(args) == 2 and not kwargs and _many_batch_dims(*args):
             return batched_matmul(*args)
-        if func in random.FUNCS:  # counter-based: the same values whatever the mesh (compiler/random.py)
+        if random.handles(func, kwargs):  # counter-based: the same values on every mesh
             return random.rewrite(self, func, args, kwargs)
         if func in _DROPOUT:
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)

@@ -373,7 +373,9 @@ def _reject_random_ops(module: torch.fx.GraphModule) -> None:
             raise fail(
                 f"{n.target} at {source_of(n) or n.name}: random numbers inside a sharded step "
                 "would differ with the layout (each device would draw its own).",
-                "draw random tensors outside the step and pass them in as arguments.",
+                "use dropout, torch.rand/randn or rand_like/randn_like without a generator (drawn "
+                "counter-based inside a step, the same on every mesh: shardspec.random), or draw the "
+                "tensor outside the step and pass it in as an argument.",
             )
 
 

@@ -67,7 +67,7 @@ def _nonzero(x: torch.Tensor) -> torch.Tensor:
 
 
 def _random(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rand_like(x)
+    return x * torch.randint_like(x, 10)
 
 
 def _item(x: torch.Tensor) -> torch.Tensor:
@@ -263,7 +263,7 @@ CASES: tuple[Case, ...] = (
         "purity",
         "random numbers inside the step",
         lambda: _step(_random, (P("dp"),), P("dp"))(X),
-        ("rand", "pass them in as arguments"),
+        ("randint_like", "pass it in as an argument"),
     ),
     Case(
         "purity",
