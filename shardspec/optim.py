@@ -100,8 +100,7 @@ def _adamw_tensor(
     return decayed - (lr / bias1) * m / (torch.sqrt(v) / bias2_sqrt + eps), m, v
 
 
-@torch.library.custom_op("shardspec::adamw", mutates_args=())
-def _adamw_op(
+def adamw_kernel(
     p: torch.Tensor,
     g: torch.Tensor,
     m: torch.Tensor,
@@ -115,7 +114,10 @@ def _adamw_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.optim.AdamW's single-tensor update (the same kernels in the same order, so the same
     bits) on fresh buffers: ``step`` is the new step count. One node in the traced step instead of
-    a dozen elementwise ones, each kernel writing in place into the buffers it returns."""
+    a dozen elementwise ones, each kernel writing in place into the buffers it returns. Registered
+    with ``torch.library.Library`` as a CompositeExplicitAutograd kernel rather than through
+    ``custom_op``, whose Python autograd wrapper about doubled the cost of a call on a small tensor
+    (measured ~190 µs against ~80 µs per call, once per parameter per step)."""
     t = float(step)
     p_new = p * (1 - lr * weight_decay)
     m_new = torch.lerp(m, g, 1 - beta1)
@@ -128,7 +130,15 @@ def _adamw_op(
     return p_new, m_new, v_new
 
 
-@_adamw_op.register_fake
+_LIB = torch.library.Library("shardspec", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
+    "adamw(Tensor p, Tensor g, Tensor m, Tensor v, Tensor step, float lr, float beta1, float beta2, "
+    "float eps, float weight_decay) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.impl("adamw", adamw_kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("shardspec::adamw", lib=_LIB)  # type: ignore[untyped-decorator]
 def _(
     p: torch.Tensor,
     g: torch.Tensor,
