@@ -72,7 +72,12 @@ class Lowered:
         return "\n".join(head) + "\n" + p.programs[rank].code.strip() + "\n"
 
     def collectives(self) -> list[CollectiveInfo]:
-        """One record per tensor moved: the partitioner's, then the passes' re-gathers."""
+        """One record per tensor moved (kind, axes, local shape, dtype, bytes per rank, reason, user
+        line): the partitioner's, then the passes' re-gathers. Example::
+
+            for c in step.lower(*args).collectives():
+                print(c.kind, c.axes, c.bytes_per_rank, c.source)
+        """
         again = [c for launch in self.launches() for c in launch if c.node.endswith((AGAIN, REMAT_AGAIN))]
         return [
             CollectiveInfo(c.kind, c.axes, c.shape, c.dtype, c.bytes_per_rank, c.reason, c.source)
@@ -101,6 +106,12 @@ class Lowered:
         return out + [[c] for c in self.program.inserted if c.node not in seen]
 
     def cost(self) -> Cost:
+        """What one call costs per rank: bytes sent (by the ring formulas, per launch), launches,
+        peak memory (liveness over the scheduled program) and model-state bytes. Example::
+
+            c = step.lower(*args).cost()
+            print(c.comm_bytes_per_rank, c.collective_count, c.peak_memory_bytes_per_rank)
+        """
         by_kind: dict[str, float] = {}
         total = 0.0
         launches = self.launches()
@@ -209,43 +220,16 @@ class Lowered:
 
         return pipeline_schedule(self.program)
 
-    def explain(self) -> str:
-        """Each launch: kind, axes, bytes per rank; for each tensor in it, why and the user line."""
-        launches = self.launches()
-        c = self.cost()
-        moved = sum(len(launch) for launch in launches)
-        lines = [
-            f"{len(launches)} collective launch(es) moving {moved} tensor(s), "
-            f"{c.comm_bytes_per_rank:.0f} bytes sent per rank, "
-            f"peak memory {c.peak_memory_bytes_per_rank} bytes per rank "
-            f"on {self.program.mesh.describe()}"
-        ]
-        for i, launch in enumerate(launches, 1):
-            r = launch[0]
-            dtype = str(r.dtype).replace("torch.", "")
-            sent = self._launch_bytes(launch)
-            if len(launch) == 1:
-                lines.append(
-                    f"[{i}] {r.kind} over {','.join(r.axes)}: local {r.shape} {dtype}, {sent:.0f} B/rank"
-                )
-                lines.append(f"    why: {r.reason}")
-                lines.append(f"    at:  {r.source or '<no user line recorded>'}")
-                continue
-            lines.append(
-                f"[{i}] {r.kind} over {','.join(r.axes)}: one bucket of {len(launch)} {dtype} tensors, "
-                f"{sent:.0f} B/rank"
-            )
-            for m in launch:
-                lines.append(f"    - local {m.shape}")
-                lines.append(f"      why: {m.reason}")
-                lines.append(f"      at:  {m.source or '<no user line recorded>'}")
-        for note in self.program.prop.notes:
-            lines.append(f"note: {note}")
-        if self.program.pipeline is not None:
-            from compiler.pipeline.report import stage_lines
+    def explain(self, summary: bool = False) -> str:
+        """Every collective in the user's words (argument paths, gradients by parameter, source
+        lines), grouped by line with totals per kind and axes; ``summary=True`` gives one line per
+        kind and axes per source line. See ``compiler/explain.py``. Example::
 
-            lines += stage_lines(self.program)
-        return "\n".join(lines)
+            print(step.lower(params, state, x, y).explain())
+        """
+        from compiler.explain import explain
+
+        return explain(self, summary=summary)
 
 
 def model_state(program: Program, rank: int = 0) -> tuple[int, int, int]:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     lowered = step.lower(params, state, *batch(0, cfg))
     say(f"compiled in {time.perf_counter() - start:.1f} s")
-    say(lowered.explain())
+    say(lowered.explain(summary=True))
     say()
 
     sharded_params, sharded_state = params, state

@@ -4,6 +4,8 @@ N = group size, phi = (N - 1) / N, Psi = parameter count. The loss adds scalar a
 summed loss and, for cross-entropy, the count of targets): those are checked apart, by shape.
 """
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -149,14 +151,16 @@ def test_a_pending_input_gradient_is_reduced_where_it_is_smallest():
     ]
 
 
-def test_explain_names_op_and_user_line_for_each_collective():
+def test_explain_names_values_and_user_lines_for_each_collective():
     mesh = Mesh({"dp": N}, simulate=True)
     params, state, x, y = _setup()
     f = sharded(STEP, mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp")), out_specs=(P(), P(), P()))
-    text = f.lower(params, state, x, y).explain()
-    blocks = text.split("\n[")[1:]
-    assert len(blocks) == f.lower(params, state, x, y).cost().collective_count
-    for block in blocks:
-        assert "why: " in block and " needs " in block
-        assert "at:  " in block and "mlp.py:" in block  # the model file's line, not library code
-    assert "params, state = opt.update(grads, state, params)" in text or "m_ + (1 - b1)" in text
+    low = f.lower(params, state, x, y)
+    text = low.explain()
+    members = re.findall(r"^  \[(\d+)\] ", text, re.M)
+    assert len(set(members)) == low.cost().collective_count and len(members) == len(low.collectives())
+    groups = [line for line in text.splitlines()[1:] if line and not line.startswith((" ", "totals"))]
+    assert groups and all("mlp.py:" in g for g in groups)  # the model file's lines, not library code
+    for name in params:  # each gradient reduction named by its parameter, under the forward line
+        assert f"gradient of params['{name}']" in text
+    assert "opt.update" not in text
