@@ -78,7 +78,7 @@ def test_send_recv_wait_trace_and_send_survives_dead_code_elimination():
     ]
 
 
-# Exact ring formulas (REFERENCE.md): phi = (n - 1) / n, S in bytes.
+# Exact ring formulas (docs/guide/performance.md): phi = (n - 1) / n, S in bytes.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bytes_equal_ring_formulas(dtype):
     mesh = Mesh({"dp": 2, "tp": 4}, simulate=True)
