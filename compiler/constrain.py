@@ -50,7 +50,11 @@ class _Constrain(torch.autograd.Function):
 
 
 def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
-    """Require ``x`` to have sharding ``spec`` at this point of the step (checked when compiled)."""
+    """Require ``x`` to have sharding ``spec`` at this point of the step (checked when compiled);
+    its gradient is constrained the same way. Outside a sharded step it returns ``x``. Example::
+
+        h = constrain(h, P("dp", "tp"))  # sequence parallel: the residual stream split over tp
+    """
     if not isinstance(spec, P):
         raise fail(f"constrain: spec must be a P(...), got {spec!r}.", "write constrain(x, P('dp', None)).")
     if not isinstance(x, torch.Tensor):

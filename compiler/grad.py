@@ -24,7 +24,10 @@ def value_and_grad(
     dim 0, and the loss and gradients are the mean over chunks (gradient accumulation: the chunks'
     gradients add up as pending sums and are reduced once per step). Each chunk's forward and
     backward nodes are labelled with its index (``meta["custom"]["shardspec_microbatch"]``), which
-    the pipeline schedules by; the accumulation is unlabelled (it runs after the chunks).
+    the pipeline schedules by; the accumulation is unlabelled (it runs after the chunks). Example::
+
+        loss, grads = shardspec.value_and_grad(loss_fn)(params, x, y)  # grads: like params
+        loss, grads = shardspec.value_and_grad(loss_fn, microbatches=4)(params, x, y)
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     grad_fn = torch.func.grad_and_value(fn, argnums=argnums if isinstance(argnums, int) else nums)

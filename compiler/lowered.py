@@ -55,7 +55,13 @@ class Cost:
 
 
 class Lowered:
-    """The compiled plan of a step for one argument signature."""
+    """The compiled plan of a step for one argument signature, before anything runs. Example::
+
+        low = step.lower(params, state, x, y)
+        print(low.explain())  # every collective, why, and your source line
+        print(low.cost().comm_bytes_per_rank, low.cost().peak_memory_bytes_per_rank)
+        print(low.as_text(rank=0))  # the per-rank program
+    """
 
     def __init__(self, program: Program) -> None:
         self.program = program

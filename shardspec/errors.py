@@ -8,7 +8,14 @@ from __future__ import annotations
 
 
 class ShardingError(ValueError):
-    """A sharding, mesh or spec the user supplied cannot be used as given."""
+    """A sharding, mesh or spec the user supplied cannot be used as given. The message names the
+    argument path, the spec and the sizes, and ends with a ``Fix:`` line. Example::
+
+        try:
+            step(params, state, x, y)
+        except shardspec.ShardingError as err:
+            print(err)  # what was wrong, then a "Fix:" line
+    """
 
 
 def fail(what: str, fix: str) -> ShardingError:

@@ -18,19 +18,25 @@ from shardspec.spec import P
 
 
 def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of block ``index`` when ``length`` is cut into ``parts`` torch.chunk blocks."""
+    """``[start, stop)`` of block ``index`` when ``length`` is cut into ``parts`` torch.chunk blocks.
+
+    Example: ``chunk_bounds(6, 4, 3) == (6, 6)`` (blocks of 2: the last one is empty)."""
     step = -(-length // parts) if length else 0
     start = min(index * step, length)
     return start, min(start + step, length)
 
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
-    """Sizes of all ``parts`` blocks (torch.chunk layout, empty tail blocks included)."""
+    """Sizes of all ``parts`` blocks (torch.chunk layout, empty tail blocks included).
+
+    Example: ``chunk_sizes(10, 4) == [3, 3, 3, 1]``."""
     return [stop - start for start, stop in (chunk_bounds(length, parts, i) for i in range(parts))]
 
 
 def is_even(shape: Sequence[int], mesh: Mesh, spec: P) -> bool:
-    """True when every split dim divides evenly over its axes."""
+    """True when every split dim divides evenly over its axes.
+
+    Example: ``is_even((8, 6), Mesh({"dp": 2, "tp": 4}, simulate=True), P("dp", "tp")) is False``."""
     return all(shape[d] % mesh.axis_size(spec.axes_of(d)) == 0 for d in range(len(spec)))
 
 
@@ -55,7 +61,10 @@ def check_spec(
 
 
 def device_slices(shape: Sequence[int], mesh: Mesh, spec: P, rank: int) -> tuple[slice, ...]:
-    """The global index ranges held by device ``rank``, one slice per dim."""
+    """The global index ranges held by device ``rank``, one slice per dim.
+
+    Example: ``device_slices((8, 6), Mesh({"dp": 2}, simulate=True), P("dp"), 1)`` is
+    ``(slice(4, 8), slice(0, 6))``."""
     out = []
     for dim, length in enumerate(shape):
         axes = spec.axes_of(dim)
@@ -68,7 +77,10 @@ def device_slices(shape: Sequence[int], mesh: Mesh, spec: P, rank: int) -> tuple
 
 
 def local_shape(shape: Sequence[int], mesh: Mesh, spec: P, rank: int) -> tuple[int, ...]:
-    """Shape of the shard held by device ``rank``."""
+    """Shape of the shard held by device ``rank``.
+
+    Example: ``local_shape((8, 6), Mesh({"dp": 2, "tp": 4}, simulate=True), P("dp", "tp"), 3)`` is
+    ``(4, 0)`` (6 columns over 4 devices: blocks 2, 2, 2, 0)."""
     return tuple(s.stop - s.start for s in device_slices(shape, mesh, spec, rank))
 
 
@@ -80,7 +92,10 @@ def max_local_shape(shape: Sequence[int], mesh: Mesh, spec: P) -> tuple[int, ...
 
 
 def shard(x: torch.Tensor, mesh: Mesh, spec: P, *, name: str = "x") -> list[torch.Tensor]:
-    """Cut the global ``x`` into the pieces each device holds; element ``r`` belongs to rank ``r``."""
+    """Cut the global ``x`` into the pieces each device holds; element ``r`` belongs to rank ``r``.
+
+    Example: ``shard(torch.arange(4), Mesh({"dp": 2}, simulate=True), P("dp"))`` is
+    ``[tensor([0, 1]), tensor([2, 3])]``."""
     check_spec(tuple(x.shape), mesh, spec, name=name)
     return [x[device_slices(x.shape, mesh, spec, r)].clone() for r in range(mesh.size)]
 
@@ -110,7 +125,10 @@ def unshard(
     """Inverse of :func:`shard`: rebuild the global tensor from one piece per rank.
 
     Replicated copies are taken from the lowest rank holding them; with ``check_replicas`` every
-    copy must equal it, which catches devices that drifted apart.
+    copy must equal it, which catches devices that drifted apart. Example::
+
+        >>> unshard(shard(x, mesh, P("dp")), mesh, P("dp")).equal(x)
+        True
     """
     if len(pieces) != mesh.size:
         raise fail(

@@ -47,7 +47,10 @@ def from_local(tree: Any, specs: Any, mesh: Mesh) -> Any:
     ``specs`` is a tree of ``P`` matching ``tree`` (a prefix covers a subtree). The global size of a
     split dim is the sum of the blocks along its axes; every rank's block must be the one
     ``torch.chunk`` gives it (shorter tail blocks allowed), and replicated dims must agree. One
-    metadata exchange (shapes only) checks this on every rank.
+    metadata exchange (shapes only) checks this on every rank. Example (under torchrun)::
+
+        batch = from_local(my_rows, P("dp"), mesh)  # this rank's rows of the global batch
+        params, state, loss = step(params, state, batch)
     """
     from torch.distributed.tensor import DTensor
 

@@ -69,7 +69,19 @@ def _parse_axes(axes: object) -> tuple[tuple[str, int], ...]:
 
 
 class Mesh:
-    """A named device mesh; ``simulate=True`` makes that many virtual devices in this process."""
+    """A named device mesh: axes major -> minor, rank = row-major index of its coordinates (as
+    ``torch.distributed.DeviceMesh``).
+
+    ``Mesh(axes)`` is real: this process is one device of a ``torch.distributed`` world (initialized
+    from the torchrun environment if needed; the world size must be the product of the axis
+    sizes). ``Mesh(axes, simulate=True)`` makes that many virtual devices in this process, which run
+    the same per-device programs and collectives. Example::
+
+        >>> mesh = Mesh({"dp": 2, "tp": 4}, simulate=True)
+        >>> mesh.size, mesh.shape["tp"], mesh.axis_names
+        (8, 4, ('dp', 'tp'))
+        >>> print(mesh)  # the rank grid
+    """
 
     __slots__ = ("_axes", "_device_mesh", "_rank", "_simulate")
     _axes: tuple[tuple[str, int], ...]

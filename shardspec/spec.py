@@ -50,7 +50,15 @@ def _raw_repr(raw: tuple[object, ...]) -> str:
 
 
 class P:
-    """A partition spec: ``P('dp', None, ('x', 'y'))``. Immutable and hashable."""
+    """A partition spec: one entry per tensor dim, ``None`` (whole on every device), a mesh axis
+    name (split over it) or a tuple of names (split over their product, first major). Trailing
+    ``None``s are dropped, so equal layouts are equal values. Immutable and hashable. Example::
+
+        >>> P("dp", None) == P("dp")
+        True
+        >>> P(None, ("dp", "tp")).axes_of(1)
+        ('dp', 'tp')
+    """
 
     __slots__ = ("_entries",)
     _entries: tuple[Entry, ...]

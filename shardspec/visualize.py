@@ -14,7 +14,9 @@ def visualize(shape: Sequence[int], mesh: Mesh, spec: P) -> str:
 
     Up to two split dims: a grid, one cell per block listing the devices holding it (more than one
     when the block is replicated over unnamed axes). More split dims: one line per block. Uneven
-    splits show each block's index range and size.
+    splits show each block's index range and size. Example::
+
+        >>> print(visualize((8, 6), Mesh({"dp": 2, "tp": 4}, simulate=True), P("dp", "tp")))
     """
     shape = tuple(int(n) for n in shape)
     check_spec(shape, mesh, spec, name=f"visualize(shape={shape})")
