@@ -55,7 +55,9 @@ class Cost:
 
 
 class Lowered:
-    """The compiled plan of a step for one argument signature, before anything runs. Example::
+    """The compiled plan of a step for one argument signature, before anything runs.
+
+    Example::
 
         low = step.lower(params, state, x, y)
         print(low.explain())  # every collective, why, and your source line

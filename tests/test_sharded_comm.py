@@ -1,4 +1,5 @@
-"""Communication of @sharded steps, in bytes per rank, against the formulas of docs/guide/performance.md (fp32, k = 1).
+"""Communication of @sharded steps, in bytes per rank, against the formulas of
+docs/guide/performance.md (fp32, k = 1).
 
 N = group size, phi = (N - 1) / N, Psi = parameter count. The loss adds scalar all-reduces (the
 summed loss and, for cross-entropy, the count of targets): those are checked apart, by shape.
