@@ -198,8 +198,43 @@ class _Partitioner:
             args[3] = self.local(shape(p.operands[0]), p.required[0])[0]
         kwargs = {k: (self.env[v] if isinstance(v, Node) else v) for k, v in node.kwargs.items()}
         assert callable(node.target)
-        self.env[node] = self.graph.call_function(node.target, tuple(args), kwargs)
+        fused = self.addmm(node, args)
+        self.env[node] = fused or self.graph.call_function(node.target, tuple(args), kwargs)
         self.env[node].meta["shardspec_origin"] = node.name
+
+    def addmm(self, node: Node, args: list[Any]) -> Node | None:
+        """``add(mm(a, b), bias)`` on this rank -> ``addmm(bias, a, b)``: one kernel, the bias added
+        inside the matrix product, as a linear layer runs eagerly. Only where the product reaches the
+        add as it is (no collective between, so a split contraction was reduced first or the add is
+        part of the pending sum) and nothing else reads it; trace.py writes addmm as mm + add so
+        propagation can keep a split contraction's sum pending without the bias."""
+        if node.target is not aten.add.Tensor or node.kwargs or len(args) != 2:
+            return None
+        product, bias = node.args[0], node.args[1]
+        local_product = args[0]
+        if not (
+            isinstance(product, Node)
+            and isinstance(bias, Node)
+            and isinstance(local_product, Node)
+            and product.target is aten.mm.default
+            and len(product.users) == 1
+            and local_product is self.env.get(product)
+            and local_product.target is aten.mm.default
+            and not local_product.users
+        ):
+            return None
+        out, b = product.meta["val"], bias.meta["val"]
+        if (
+            b.dim() != 1
+            or b.shape[0] != out.shape[1]
+            or b.dtype != out.dtype
+            or node.meta["val"].shape != out.shape
+        ):
+            return None
+        a, w = local_product.args
+        fused = self.graph.call_function(aten.addmm.default, (args[1], a, w))
+        self.graph.erase_node(local_product)
+        return fused
 
 
 def partition(

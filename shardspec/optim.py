@@ -125,7 +125,7 @@ def adamw_kernel(
     v_new.addcmul_(g, g, value=1 - beta2)
     bias1 = 1 - beta1**t
     bias2_sqrt = (1 - beta2**t) ** 0.5
-    denom = (v_new.sqrt() / bias2_sqrt).add_(eps)
+    denom = v_new.sqrt().div_(bias2_sqrt).add_(eps)  # torch's (sqrt / c).add_(eps), one buffer fewer
     p_new.addcdiv_(m_new, denom, value=-lr / bias1)
     return p_new, m_new, v_new
 

@@ -194,3 +194,22 @@ def test_adamw_node_sharded_equals_unsharded_and_torch(mesh: Mesh) -> None:
         torch_opt.step()
     for k, r in refs.items():
         torch.testing.assert_close(params[k], r.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["replicated", "column", "row"])
+def test_linear_runs_as_addmm_where_the_contraction_is_whole(case: str) -> None:
+    """mm + bias on a rank becomes one addmm; a row-parallel (split contraction) linear keeps its
+    product pending and adds the bias once, after the reduction, not inside every rank's product."""
+    x, w, b = _gen(6, 8), _gen(4, 8, seed=1), _gen(4, seed=2)
+    specs = {
+        "replicated": (P("dp"), P(), P()),
+        "column": (P(), P("dp"), P("dp")),
+        "row": (P(None, "dp"), P(None, "dp"), P()),
+    }
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, b).tanh().sum()
+
+    step = _check(fn, (x, w, b), specs[case], DP2, (0, 1, 2))
+    ops = _ops(step, x, w, b)
+    assert ops["aten.addmm.default"] == (0 if case == "row" else 1), ops
