@@ -8,7 +8,9 @@ The model is built from a small ``GPT2Config`` (nothing is downloaded; needs ``p
 '.[hf]'``). Its parameters become a dict and the step calls the module through
 ``torch.func.functional_call``, so the model's own code runs inside the traced step. Specs come from
 parameter-name patterns (``shardspec.match_specs``): GPT-2's ``Conv1D`` stores weights as (in, out),
-so the MLP's first layer splits its output columns over ``tp`` and the second its input rows. The run
+so the MLP's first layer splits its output columns over ``tp`` and the second its input rows.
+``--dropout 0.1`` trains with GPT-2's residual and embedding dropout on (``model.train()``): the masks
+are drawn counter-based from a per-step key (``shardspec.random``), the same on every mesh. The run
 ends by checking the sharded parameters against the same steps taken by the plain module.
 """
 
@@ -34,8 +36,8 @@ RULES = [
 OPT = optim.adamw(lr=1e-3, eps=1e-6)
 
 
-def build(layers: int = 2, seed: int = 0) -> Any:
-    """A small GPT-2 from its config (no download), without dropout."""
+def build(layers: int = 2, seed: int = 0, dropout: float = 0.0) -> Any:
+    """A small GPT-2 from its config (no download); ``dropout`` > 0 puts it in training mode."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
@@ -44,14 +46,15 @@ def build(layers: int = 2, seed: int = 0) -> Any:
         n_embd=32,
         n_layer=layers,
         n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
         attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
     )
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(cfg).eval()
+    model = GPT2LMHeadModel(cfg)
+    return model.train() if dropout else model.eval()
 
 
 def params_of(model: Any) -> dict[str, torch.Tensor]:
@@ -60,12 +63,15 @@ def params_of(model: Any) -> dict[str, torch.Tensor]:
 
 
 def make_step(model: Any) -> Any:
-    def loss_fn(params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor) -> Any:
-        logits = torch.func.functional_call(model, params, (tokens,)).logits
+    def loss_fn(
+        params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor, key: Any
+    ) -> Any:
+        with shardspec.random.rng(key):  # dropout masks from this step's key
+            logits = torch.func.functional_call(model, params, (tokens,)).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def step(params: Any, state: Any, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
-        loss, grads = shardspec.value_and_grad(loss_fn)(params, tokens, targets)
+    def step(params: Any, state: Any, tokens: torch.Tensor, targets: torch.Tensor, key: Any) -> Any:
+        loss, grads = shardspec.value_and_grad(loss_fn)(params, tokens, targets, key)
         params, state = OPT.update(grads, state, params)
         return params, state, loss
 
@@ -82,31 +88,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = _cli.parser(__doc__, "dp=2,tp=2")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.0, help="residual and embedding dropout")
     args = ap.parse_args(argv)  # unknown flags are an error
     mesh = _cli.make_mesh(args)
     say = _cli.say_fn(mesh)
     say(_cli.mode_line(mesh))
 
-    model = build(args.layers)
+    model = build(args.layers, dropout=args.dropout)
     params = params_of(model)
     rules = RULES if "tp" in args.mesh else []
     pspec = shardspec.match_specs(params, rules, default=P())
     sspec = OPT.state_specs(pspec)
     bspec = P("dp") if "dp" in args.mesh else P()
     step = sharded(
-        make_step(model), mesh=mesh, in_specs=(pspec, sspec, bspec, bspec), out_specs=(pspec, sspec, P())
+        make_step(model), mesh=mesh, in_specs=(pspec, sspec, bspec, bspec, P()), out_specs=(pspec, sspec, P())
     )
     say(_cli.spec_table(params, pspec, mesh))
-    state = OPT.init(params)
+    state, base = OPT.init(params), shardspec.random.key(0)
     new_params, new_state = params, state
     for i in range(args.steps):
-        new_params, new_state, loss = step(new_params, new_state, *batch(i))
+        new_params, new_state, loss = step(
+            new_params, new_state, *batch(i), shardspec.random.fold_in(base, i)
+        )
         say(f"step {i + 1}/{args.steps}: loss {_cli.full(loss).item():.4f}")
 
     plain = make_step(model)  # the same steps, unsharded, through the module itself
     ref_params, ref_state = params, state
     for i in range(args.steps):
-        ref_params, ref_state, _ = plain(ref_params, ref_state, *batch(i))
+        ref_params, ref_state, _ = plain(ref_params, ref_state, *batch(i), shardspec.random.fold_in(base, i))
     final = {k: _cli.full(v) for k, v in new_params.items()}
     torch.testing.assert_close(final, ref_params, rtol=1e-4, atol=1e-5)
     say(

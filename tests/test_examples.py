@@ -114,6 +114,16 @@ def test_hf_gpt2_matches_unsharded_module() -> None:
     torch.testing.assert_close(result["params"], result["reference"], rtol=1e-4, atol=1e-5)
 
 
+def test_hf_gpt2_with_dropout_matches_unsharded_module() -> None:
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+    result, _ = _run(
+        hf_gpt2.main, ["--steps", "2", "--layers", "1", "--dropout", "0.1", "--mesh", "dp=2,tp=2"]
+    )
+    torch.testing.assert_close(result["params"], result["reference"], rtol=1e-4, atol=1e-5)
+    plain, _ = _run(hf_gpt2.main, ["--steps", "2", "--layers", "1"])
+    assert abs(result["loss"] - plain["loss"]) > 1e-4  # dropout was on
+
+
 def test_einops_model_matches_unsharded() -> None:
     result, text = _run(einops_model.main, ["--steps", "1"])
     assert "equivalent" in text
