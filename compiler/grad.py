@@ -21,8 +21,10 @@ def value_and_grad(
     """``(loss, grads)`` of a scalar ``fn`` with respect to argument(s) ``argnums``.
 
     With ``microbatches=m`` every tensor argument not differentiated is split into ``m`` chunks along
-    dim 0, and the loss and gradients are the mean over chunks (gradient accumulation: the chunks'
-    gradients add up as pending sums and are reduced once per step). Each chunk's forward and
+    dim 0, chunk k holding rows k, k + m, k + 2m, ... (so a batch split over data-parallel devices
+    splits every chunk the same way and no rows move), and the loss and gradients are the mean over
+    chunks (gradient accumulation: the chunks' gradients add up as pending sums and are reduced once
+    per step). Each chunk's forward and
     backward nodes are labelled with its index (``meta["custom"]["shardspec_microbatch"]``), which
     the pipeline schedules by; the accumulation is unlabelled (it runs after the chunks). Example::
 
@@ -75,7 +77,10 @@ def _split(arg: Any, m: int, position: int) -> list[Any]:
                     f", whose dim 0 does not split into {m} microbatches.",
                     f"use a batch size divisible by {m}.",
                 )
-            per_leaf.append(list(leaf.chunk(m)))
+            # microbatch k = rows k, k + m, k + 2m, ...: a batch split over devices along dim 0
+            # splits every microbatch the same way, so no rows move between devices
+            rows = leaf.reshape(leaf.shape[0] // m, m, *leaf.shape[1:])
+            per_leaf.append([rows[:, k] for k in range(m)])
         else:
             per_leaf.append([leaf] * m)
     return [optree.tree_unflatten(tree, [p[k] for p in per_leaf]) for k in range(m)]

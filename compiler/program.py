@@ -172,7 +172,7 @@ def compile_program(
         for r in range(mesh.size)
     ]
     if pipeline is not None:
-        plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs)
+        plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs, passes)
         return Program(
             traced,
             prop,

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 D, HIDDEN, CLASSES, BATCH, M = 8, 16, 4, 16, 4
 
 
-def _two_steps(rank, world, shape, schedule):
+def _two_steps(rank, world, shape, schedule, v):
     from torch.distributed.tensor import DTensor
 
     from shardspec import P, Pipeline, sharded
@@ -28,7 +28,11 @@ def _two_steps(rank, world, shape, schedule):
     mesh = Mesh(shape)
     ps, ss, xs, ys = pm.specs(params, "tp" in shape, "dp" in shape, opt)
     run = sharded(
-        step, mesh=mesh, in_specs=(ps, ss, xs, ys), out_specs=(ps, ss, P()), pipeline=Pipeline("pp", schedule)
+        step,
+        mesh=mesh,
+        in_specs=(ps, ss, xs, ys),
+        out_specs=(ps, ss, P()),
+        pipeline=Pipeline("pp", schedule, v),
     )
     out = run(params, state, x, y)
     out = run(out[0], out[1], x, y)  # DTensors back as they came out (other stages' blocks empty)
@@ -43,10 +47,15 @@ def _two_steps(rank, world, shape, schedule):
 
 
 @pytest.mark.parametrize(
-    ("shape", "schedule"),
-    [({"pp": 2, "dp": 2}, "1f1b"), ({"pp": 2, "tp": 2}, "gpipe"), ({"pp": 4}, "zb-h1")],
+    ("shape", "schedule", "v"),
+    [
+        ({"pp": 2, "dp": 2}, "1f1b", 1),
+        ({"pp": 2, "dp": 2}, "interleaved", 2),
+        ({"pp": 2, "tp": 2}, "gpipe", 1),
+        ({"pp": 4}, "zb-h1", 1),
+    ],
 )
-def test_pipeline_on_gloo_matches_single_process(shape, schedule):
+def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
     opt = optim.adamw(lr=1e-2, weight_decay=0.1)
     params = pm.init(4, D, HIDDEN, CLASSES)
     x, y = pm.data(BATCH, D, CLASSES)
@@ -57,7 +66,7 @@ def test_pipeline_on_gloo_matches_single_process(shape, schedule):
     specs = dict(zip(*_flat((ps, ss, pm.P())), strict=True))
     reference = dict(zip(*_flat(want), strict=True))
     mesh = Mesh(shape, simulate=True)
-    results = run_distributed(_two_steps, 4, args=(shape, schedule), timeout=240)
+    results = run_distributed(_two_steps, 4, args=(shape, schedule, v), timeout=240)
     seen = set()
     for r in results:
         stage = mesh.axis_index(r["rank"], "pp")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch.fx import GraphModule
@@ -68,6 +69,7 @@ def plan_pipeline(
     traced_module: GraphModule,
     programs: Sequence[GraphModule],
     local_inputs: Sequence[Sequence[tuple[Sequence[int], torch.dtype]]],
+    passes: Any = None,
 ) -> PipelinePlan:
     p = mesh.axis_size(pipeline.axis)
     m = microbatches_of(traced_module)
@@ -89,9 +91,24 @@ def plan_pipeline(
         k = (id(programs[r]), q)
         if k not in done:
             annotate(programs[r], local_inputs[r])
-            done[k] = split_program(programs[r], stages, lists, q, pipeline.axis, key)
+            split = split_program(programs[r], stages, lists, q, pipeline.axis, key)
+            done[k] = replace(split, module=_optimized(split.module, local_inputs[r], passes))
         per_rank.append(done[k])
     return PipelinePlan(pipeline, stages, lists, tuple(per_rank))
+
+
+def _optimized(
+    gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]], passes: Any
+) -> GraphModule:
+    """The program passes on a stage program: views, in-place reductions and overlap (the DP
+    reduction issued async once its gradients are complete, waited at the optimizer). Not those that
+    key on traced names (regather, remat), nor bucketing: its sinking moved a send after later
+    blocks, which deadlocked the schedule."""
+    from compiler import passes as program_passes
+
+    opts = program_passes.options(passes)
+    off: dict[str, Any] = {f.name: False for f in fields(opts) if f.name in ("regather", "remat", "bucket")}
+    return program_passes.optimize(gm, inputs, replace(opts, **off))
 
 
 def drop_boundaries(gm: GraphModule) -> GraphModule:
