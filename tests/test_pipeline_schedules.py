@@ -1,12 +1,15 @@
 """Pipeline schedules as properties over p, m, v: each checked list runs every action once in
 dependency order without deadlock; planned bubbles follow the formulas; in-flight bounds hold."""
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compiler.pipeline.check import Op, check, check_schedule, peak_in_flight, simulate, transfers, with_p2p
 from compiler.pipeline.schedules import Action, one_f_one_b, schedule
+from compiler.pipeline.stages import linear_partition
 from shardspec.errors import ShardingError
 
 ps = st.integers(1, 6)
@@ -92,3 +95,19 @@ def test_receives_follow_the_senders_order():
 def test_one_f_one_b_lists_alternate():
     lists = one_f_one_b(4, 8)
     assert [str(a) for a in lists[3][:4]] == ["F3.0", "B3.0", "F3.1", "B3.1"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.integers(1, 50), min_size=1, max_size=8), data=st.data())
+def test_linear_partition_minimizes_the_largest_stage(costs, data):
+    """The chosen cuts give the smallest largest-stage cost of all ways to cut into k stages."""
+    k = data.draw(st.integers(1, len(costs)))
+    starts = linear_partition(costs, k)
+    bounds = [0, *starts, len(costs)]
+    assert len(starts) == k - 1 and all(a < b for a, b in itertools.pairwise(bounds))
+    got = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, len(costs))))
+        for cut in itertools.combinations(range(1, len(costs)), k - 1)
+    )
+    assert got == best
