@@ -53,12 +53,12 @@ def say_fn(mesh: Mesh) -> Callable[..., None]:
     return lambda *a, **k: None
 
 
-def mode_line(mesh: Mesh) -> str:
-    """Says whether this run is real or simulated, and on what."""
+def mode_line(mesh: Mesh, extra: str = "") -> str:
+    """Says whether this run is real or simulated, and on what (``extra`` is added to a real run's)."""
     if mesh.simulated:
         return f"mode: simulated ({mesh.describe()}: {mesh.size} virtual devices in one process)"
     backend = torch.distributed.get_backend()
-    return f"mode: real ({mesh.describe()}: {mesh.size} processes, {backend})"
+    return f"mode: real ({mesh.describe()}: {mesh.size} processes, {backend}{extra})"
 
 
 def spec_table(params: Mapping[str, torch.Tensor], specs: Mapping[str, Any], mesh: Mesh) -> str:

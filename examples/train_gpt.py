@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = 0 if mesh.simulated else mesh.rank
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(_cli.mode_line(mesh) + ("" if mesh.simulated else f", attempt {attempt}"))
+    say(_cli.mode_line(mesh, f", attempt {attempt}"))
     say(f"strategy: {args.strategy}")
 
     sp = args.strategy == "tp-sp" and "tp" in args.mesh
