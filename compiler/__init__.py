@@ -29,6 +29,7 @@ def sharded(
     passes: Any = None,
     donate: tuple[int, ...] = (),
     pipeline: Any = None,
+    cost_model: Any = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
@@ -68,6 +69,9 @@ def sharded(
     ``pipeline=shardspec.Pipeline(axis="pp", schedule="1f1b")`` runs the step as pipeline stages cut
     at its ``shardspec.pipeline_boundary`` calls, one stage (or ``virtual_stages``) per position
     along ``axis``, scheduling ``value_and_grad``'s microbatches (see docs/pipeline.md).
+    ``cost_model=shardspec.CostModel(...)`` (the machine: bandwidth and latency per mesh axis, FLOP
+    rate) turns on the global planner: every op's sharding chosen for the least modeled step time,
+    never worse than greedy propagation (see docs/planner.md); None (default) keeps greedy.
     """
 
     pass_options(passes)  # a misspelled option fails here, not at the first call
@@ -85,6 +89,7 @@ def sharded(
             passes=passes,
             donate=donate,
             pipeline=pipeline,
+            cost_model=cost_model,
         )
 
     return wrap(fn) if fn is not None else wrap

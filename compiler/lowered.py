@@ -52,6 +52,11 @@ class Cost:
     # the largest live sum of activations alone (forward values computed from the batch, and
     # their recomputations by remat): what remat reduces
     activation_peak_bytes_per_rank: int = 0
+    # modeled seconds of one step on the described machine (sharded(cost_model=...), else the
+    # default CostModel): each launch by the ring formulas plus FLOPs over the device's rate
+    modeled_time_s: float = 0.0
+    modeled_comm_s: float = 0.0
+    modeled_compute_s: float = 0.0
 
 
 class Lowered:
@@ -135,6 +140,11 @@ class Lowered:
         peak = self.peak_memory()
         carried, grads, compute = model_state(self.program)
         acts = self.activation_peak()
+        from compiler.plan.report import modeled_seconds
+
+        comm_s, compute_s = modeled_seconds(
+            self.program, ((ln[0].kind, ln[0].axes, self._launch_bytes(ln)) for ln in launches)
+        )
         return Cost(
             total,
             len(launches),
@@ -145,6 +155,9 @@ class Lowered:
             grad_bytes_per_rank=grads,
             compute_param_bytes_per_rank=compute,
             activation_peak_bytes_per_rank=acts,
+            modeled_time_s=comm_s + compute_s,
+            modeled_comm_s=comm_s,
+            modeled_compute_s=compute_s,
         )
 
     def _launch_bytes(self, launch: list[Inserted]) -> float:

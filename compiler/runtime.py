@@ -45,7 +45,9 @@ class ShardedFunction:
         passes: Any = None,
         donate: tuple[int, ...] = (),
         pipeline: Any = None,
+        cost_model: Any = None,
     ) -> None:
+        self.cost_model = cost_model
         self.strict = strict
         self.pipeline = pipeline
         self.donate = _donate_argnums(donate)
@@ -93,6 +95,7 @@ class ShardedFunction:
                     passes=self.passes,
                     donate=self.donate,
                     pipeline=self.pipeline,
+                    cost_model=self.cost_model,
                 )
             finally:
                 _TRACING.reset(token)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 _COMPILER = ("Lowered", "constrain", "sharded", "value_and_grad")
 # Names whose modules load on first use (module, attribute).
 _LAZY = {
+    "CostModel": ("compiler.plan.costmodel", "CostModel"),
     "Pipeline": ("shardspec.pipeline", "Pipeline"),
     "pipeline_boundary": ("compiler.pipeline.boundary", "pipeline_boundary"),
     "remat": ("compiler.checkpointing", "remat"),
@@ -57,6 +58,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CostModel",
     "Lowered",
     "Mesh",
     "P",
