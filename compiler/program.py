@@ -39,6 +39,7 @@ class Program:
     inserted: tuple[Inserted, ...]  # rank 0's
     donated: tuple[int, ...] = ()  # tensor inputs whose buffers the results may take (donate=)
     pipeline: PipelinePlan | None = None  # sharded(pipeline=...): stages, schedule, stage programs
+    cost_model: Any = None  # sharded(cost_model=...): the machine the global planner priced
 
 
 def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = None) -> list[P]:
@@ -102,6 +103,7 @@ def compile_program(
     passes: Any = None,
     donate: tuple[int, ...] = (),
     pipeline: Pipeline | None = None,
+    cost_model: Any = None,
 ) -> Program:
     names = arg_names(fn, len(args))
     if isinstance(in_specs, list) and len(in_specs) == len(args):
@@ -156,6 +158,13 @@ def compile_program(
     inputs = [Sharding.of(s, len(t.shape)) for s, t in zip(tensor_specs, traced.inputs, strict=True)]
     outputs = [Sharding.of(s, len(t.shape)) for s, t in zip(out_leaf_specs, traced.outputs, strict=True)]
     prop = propagate(traced.module.graph, inputs, outputs, mesh, unsupported, strict=strict)
+    if cost_model is not None:  # the global planner, warm-started from (and never worse than) greedy
+        from compiler.plan import plan_globally
+
+        regather = program_passes.options(passes).regather
+        prop = plan_globally(
+            traced.module.graph, prop, inputs, outputs, mesh, cost_model, unsupported, regather=regather
+        )
     first, inserted = partition(traced.module, prop, mesh, 0, list(traced.in_paths))
     programs = [first]
     if not _even(prop, mesh):
@@ -203,6 +212,7 @@ def compile_program(
         tuple(programs),
         tuple(inserted),
         tuple(donated),
+        cost_model=cost_model,
     )
 
 
