@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,8 @@ from compiler.pipeline.boundary import cuts_from_zero
 from shardspec.errors import fail
 
 MICROBATCH = "shardspec_microbatch"  # key in a traced node's meta["custom"]: which microbatch made it
+CALL = "shardspec_grad_call"  # ... and which value_and_grad call (a pipeline schedules exactly one)
+_CALLS = itertools.count()
 
 
 def value_and_grad(
@@ -35,8 +38,9 @@ def value_and_grad(
     grad_fn = torch.func.grad_and_value(fn, argnums=argnums if isinstance(argnums, int) else nums)
 
     def run(*args: Any) -> tuple[torch.Tensor, Any]:
+        call = next(_CALLS)
         if microbatches is None or microbatches == 1:
-            grads, loss = _labelled(grad_fn, 0, args)
+            grads, loss = _labelled(grad_fn, 0, call, args)
             return loss, grads
         if not isinstance(microbatches, int) or microbatches < 1:
             raise fail(
@@ -51,7 +55,7 @@ def value_and_grad(
             chunks.append(_split(a, microbatches, i))
         total_loss, total_grads = None, None
         for k in range(microbatches):
-            grads, loss = _labelled(grad_fn, k, tuple(c[k] for c in chunks))
+            grads, loss = _labelled(grad_fn, k, call, tuple(c[k] for c in chunks))
             total_loss = loss if total_loss is None else total_loss + loss
             total_grads = grads if total_grads is None else optree.tree_map(torch.add, total_grads, grads)
         assert total_loss is not None and total_grads is not None
@@ -60,9 +64,10 @@ def value_and_grad(
     return run
 
 
-def _labelled(grad_fn: Callable[..., Any], k: int, args: tuple[Any, ...]) -> Any:
-    """Run one chunk with its nodes labelled ``k`` and the pipeline cuts numbered from 0."""
-    with cuts_from_zero(), fxt.annotate({MICROBATCH: k}):
+def _labelled(grad_fn: Callable[..., Any], k: int, call: int, args: tuple[Any, ...]) -> Any:
+    """Run one chunk with its nodes labelled ``k`` (of call ``call``) and the pipeline cuts
+    numbered from 0."""
+    with cuts_from_zero(), fxt.annotate({MICROBATCH: k, CALL: call}):
         return grad_fn(*args)
 
 

@@ -242,3 +242,18 @@ def test_timeline_follows_the_action_lists_and_draws():
     assert sched.svg().startswith("<svg") and ">F0.0<" in sched.svg()
     assert sched.svg(measured=spans).count("<rect") == sum(len(v) for v in spans.values())
     assert max(sched.peak_in_flight) <= 2
+
+
+def test_error_two_gradient_calls_in_one_pipelined_step():
+    def loss_fn(params, x, y):
+        return torch.nn.functional.cross_entropy(pm.forward(params, x), y)
+
+    def step(params, x, y):
+        loss, _ = shardspec.value_and_grad(loss_fn, microbatches=2)(params, x, y)
+        loss2, _ = shardspec.value_and_grad(loss_fn, microbatches=2)(params, x, y)
+        return loss + loss2
+
+    with pytest.raises(
+        ShardingError, match=r"(?s)calls shardspec.value_and_grad 2 times.*Fix: .*one value_and_grad"
+    ):
+        _run_error(step, {"pp": 2}, Pipeline("pp", "1f1b"))

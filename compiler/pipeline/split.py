@@ -211,7 +211,8 @@ def split_program(
         check(ops, lambda k: needs_of.get(k, []), made)
     except ShardingError as exc:
         raise fail(
-            f"a value used across pipeline stages cannot be sent in this schedule: {exc}",
+            "a value used across pipeline stages cannot be sent in this schedule: "
+            f"{str(exc).split(chr(10) + 'Fix:')[0]}",
             "pass values between stages only through pipeline_boundary, from earlier stages to later "
             "ones in the forward (no value of a later stage read by an earlier one).",
         ) from None

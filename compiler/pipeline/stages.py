@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from compiler.grad import MICROBATCH
+from compiler.grad import CALL, MICROBATCH
 from compiler.pipeline.boundary import BOUNDARY
 from compiler.sources import source_of
 from shardspec.errors import fail
@@ -156,6 +156,14 @@ def linear_partition(costs: Sequence[float], parts: int) -> list[int]:
 def assign(module: GraphModule, stages: int, microbatches: int) -> StagePlan:
     """Label every traced node with (stage, microbatch, kind), or explain why the cuts cannot make
     ``stages`` stages."""
+    calls = {(n.meta.get("custom") or {}).get(CALL) for n in module.graph.nodes} - {None}
+    if len(calls) > 1:
+        raise fail(
+            f"a pipelined step takes its gradients once, but it calls shardspec.value_and_grad "
+            f"{len(calls)} times: the schedule interleaves one set of microbatches.",
+            "compute loss and gradients with one value_and_grad(loss_fn, microbatches=m) call per "
+            "step (run further updates as further steps).",
+        )
     seg, backward, ncuts = segments(module)
     if ncuts + 1 < stages:
         raise fail(
