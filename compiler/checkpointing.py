@@ -34,7 +34,12 @@ from shardspec.errors import fail
 REGION = "shardspec_remat"  # node meta["custom"]: the region id
 POLICY = "shardspec_remat_policy"
 MATMULS = frozenset(
-    {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.shardspec.matmul.default}
+    {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.shardspec.matmul.default,
+    }
 )
 _POLICIES: dict[str, Callable[[Any], bool]] = {"save_matmuls": MATMULS.__contains__}
 _IDS = itertools.count(1)
@@ -80,7 +85,14 @@ def regions(module: torch.fx.GraphModule) -> dict[str, tuple[int, bool]]:
             continue
         policy = custom.get(POLICY)
         keep = _POLICIES.get(policy, policy) if isinstance(policy, str) else policy
-        out[n.name] = (int(custom[REGION]), bool(keep(n.target)) if callable(keep) else False)
+        saved = bool(keep(n.target)) if callable(keep) else False
+        # a bias added to a kept matmul is kept with it: the per-rank program fuses the two (addmm,
+        # named after the add), and keeping the matmul alone would then keep nothing
+        saved = saved or (
+            n.target is torch.ops.aten.add.Tensor
+            and any(out.get(a.name, (0, False))[1] and a.target in MATMULS for a in n.all_input_nodes)
+        )
+        out[n.name] = (int(custom[REGION]), saved)
     return out
 
 

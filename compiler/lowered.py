@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from collectives import accounting
+from compiler.passes.cast import AGAIN as CAST
 from compiler.passes.graph import LAUNCHES, aliases_input
 from compiler.passes.regather import AGAIN
 from compiler.passes.remat import AGAIN as REMAT_AGAIN
@@ -91,10 +92,16 @@ class Lowered:
             for c in step.lower(*args).collectives():
                 print(c.kind, c.axes, c.bytes_per_rank, c.source)
         """
-        again = [c for launch in self.launches() for c in launch if c.node.endswith((AGAIN, REMAT_AGAIN))]
+        again = [
+            c
+            for launch in self.launches()
+            for c in launch
+            if c.node.split(CAST)[0].endswith((AGAIN, REMAT_AGAIN))
+        ]
+        cast = {c.node.split(CAST)[0]: c for launch in self.launches() for c in launch if CAST in c.node}
         return [
             CollectiveInfo(c.kind, c.axes, c.shape, c.dtype, c.bytes_per_rank, c.reason, c.source)
-            for c in (*self.program.inserted, *again)
+            for c in (*(cast.get(c.node, c) for c in self.program.inserted), *again)
         ] + _p2p(self.program)
 
     def launches(self, rank: int = 0) -> list[list[Inserted]]:
@@ -112,10 +119,10 @@ class Lowered:
         for n in self.program.programs[rank].graph.nodes:
             if n.op == "call_function" and n.target in LAUNCHES:
                 names = n.meta.get("shardspec_members", [n.name])
-                members = [by_node[m] for m in names if m in by_node]
+                members = [_member(by_node, m) for m in names if m.split(CAST)[0] in by_node]
                 if members:
                     out.append(members)
-        seen = {c.node for launch in out for c in launch}
+        seen = {c.node.split(CAST)[0] for launch in out for c in launch}
         return out + [[c] for c in self.program.inserted if c.node not in seen]
 
     def cost(self) -> Cost:
@@ -251,6 +258,17 @@ class Lowered:
         from compiler.explain import explain
 
         return explain(self, summary=summary)
+
+
+def _member(by_node: dict[str, Inserted], name: str) -> Inserted:
+    """The record of a launch member; one the cast pass moved to another dtype, in that dtype."""
+    base, _, dtype_name = name.partition(CAST)
+    c = by_node[base]
+    if not dtype_name:
+        return c
+    dtype = getattr(torch, dtype_name)
+    scale = torch.empty((), dtype=dtype).element_size() / torch.empty((), dtype=c.dtype).element_size()
+    return replace(c, dtype=dtype, bytes_per_rank=c.bytes_per_rank * scale, node=name)
 
 
 def model_state(program: Program, rank: int = 0) -> tuple[int, int, int]:

@@ -229,3 +229,68 @@ def test_predicted_peak_matches_the_peak_measured_on_a_simulated_mesh(strategy, 
     predicted = f.lower(*args).cost().peak_memory_bytes_per_rank
     measured = _measured_peak(f, args)
     assert abs(predicted - measured) <= 0.05 * measured
+
+
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero3"])
+def test_fp32_model_state_bytes_follow_the_zero_formulas(strategy, n):
+    """fp32 AdamW (parameters, gradients, both moments 4 bytes each). Gradients are counted at the
+    layout the update reads them: ZeRO-1 here reduce-scatters them (the update runs on the
+    optimizer state's shard), so it already holds ZeRO-2's gradient shard: 4Ψ + 12Ψ/N. The
+    mixed-precision formulas (ZeRO-2's 2Ψ + 14Ψ/N) are checked in tests/test_mixed_precision.py."""
+    cfg = gpt.Config(vocab=64, seq=16, d=32, heads=4, layers=1)
+    params = gpt.init(cfg)
+    psi = sum(v.numel() for v in params.values())
+    rep, split = {k: P() for k in params}, {k: P("dp") for k in params}
+    pspec, sspec = {"dp": (rep, rep), "zero1": (rep, split), "zero3": (split, split)}[strategy]
+
+    def loss_fn(p, tok, tgt):
+        return gpt.loss_fn(p, tok, tgt, cfg)
+
+    f = sharded(
+        _step(loss_fn),
+        mesh=Mesh({"dp": n}, simulate=True),
+        in_specs=(pspec, OPT.state_specs(sspec), P("dp"), P("dp")),
+        out_specs=(pspec, OPT.state_specs(sspec), P()),
+        donate=(0, 1),
+    )
+    tok = torch.randint(0, cfg.vocab, (n, cfg.seq), generator=torch.Generator().manual_seed(3))
+    cost = f.lower(params, OPT.init(params), tok, tok).cost()
+    formula = {"dp": 16, "zero1": 4 + 12 / n, "zero3": 16 / n}[strategy] * psi
+    assert abs(cost.model_state_bytes_per_rank - formula) <= 0.05 * formula
+    assert cost.grad_bytes_per_rank == (4 * psi if strategy == "dp" else 4 * psi // n)
+
+
+def test_zero3_peak_falls_with_the_mesh_on_a_model_state_dominated_config():
+    """Wide layers (d=256, 4 layers, each under remat), one sequence of 8 tokens per rank, fp32
+    AdamW, donation on, parameter-gather buckets of 256 KiB (about a twelfth of a layer): model
+    states (16Ψ/N) dominate, so the peak follows them down. A gradient computed whole (from
+    gathered activations) is sliced as soon as it exists, not held to the optimizer
+    (passes/slice_early.py)."""
+    import torch.nn.functional as F
+
+    cfg = gpt.Config(vocab=64, seq=8, d=256, heads=4, layers=4)
+    params = gpt.init(cfg)
+    block = shardspec.remat(gpt.block)
+
+    def loss_fn(p, tok, tgt):
+        x = F.embedding(tok, p["wte"]) + p["wpe"][: tok.shape[1]]
+        for i in range(cfg.layers):
+            x = block(p, f"h.{i}.", x, cfg.heads)
+        x = F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
+        return F.cross_entropy(F.linear(x, p["head.weight"]).reshape(-1, cfg.vocab), tgt.reshape(-1))
+
+    peaks = {}
+    for n in (2, 8):
+        split = {k: P("dp") for k in params}
+        f = sharded(
+            _step(loss_fn),
+            mesh=Mesh({"dp": n}, simulate=True),
+            in_specs=(split, OPT.state_specs(split), P("dp"), P("dp")),
+            out_specs=(split, OPT.state_specs(split), P()),
+            donate=(0, 1),
+            passes={"zero_bucket_bytes": 2**18},
+        )
+        tok = torch.randint(0, cfg.vocab, (n, cfg.seq), generator=torch.Generator().manual_seed(4))
+        peaks[n] = f.lower(params, OPT.init(params), tok, tok).cost().peak_memory_bytes_per_rank
+    assert peaks[8] <= 0.35 * peaks[2]

@@ -256,12 +256,13 @@ def test_each_pass_is_pure_and_switchable():
         cp.dense_results,
         lambda g: cp.bucketing(g, 256),
         lambda g: cp.remat(g, {}),
+        lambda g: cp.cast(g, torch.bfloat16),
     ):
         assert fn(gm) is not gm
         assert gm.code == code
     assert cp.options(None) == cp.PassOptions()
     assert cp.options(["bucket"]) == cp.PassOptions(
-        views=False, remat=False, regather=False, bucket=True, inplace=False, overlap=False
+        views=False, remat=False, regather=False, cast=False, bucket=True, inplace=False, overlap=False
     )
     assert cp.options({"overlap": False}).bucket
     with pytest.raises(ShardingError, match="names no pass option"):

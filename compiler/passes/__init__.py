@@ -5,6 +5,7 @@
 | ``views``   | functionalization's ``*_copy`` ops become views (``view_copy`` -> reshape)     | on      |
 | ``remat``   | a ``shardspec.remat`` region's values backward reads are recomputed there      | on      |
 | ``regather``| a parameter gathered for forward and backward is gathered again for backward   | on      |
+| ``cast``    | a narrowing cast after a gather moves before it; gradient ``reduce_dtype``     | on      |
 | ``bucket``  | same-kind collectives merged into flat-buffer launches of ``bucket_bytes``     | on      |
 | ``inplace`` | an all-reduce of a buffer nothing else reads reduces it in place               | on      |
 | ``overlap`` | async issue as soon as the input is ready, wait at the first use               | on      |
@@ -13,7 +14,9 @@
 sequence of names for exactly those, or a mapping of overrides (``{"overlap": False,
 "bucket_bytes": 1 << 20}``). ``regather`` is ZeRO-3's memory-for-bytes trade: with it each gathered
 parameter is held only around the layer using it, for one more all-gather of it per step
-(``{"regather": False}`` keeps the forward copy until backward instead). ``zero_bucket_bytes``
+(``{"regather": False}`` keeps the forward copy until backward instead); with it, a local slice
+of a whole value (a gradient computed whole, sliced for the optimizer) runs as soon as the value
+exists (``slice_early``), so the whole value is not held to the end of the step. ``zero_bucket_bytes``
 caps the buckets of parameter gathers and gradient reduce-scatters, which hold their tensors
 unsharded (default: a phase's in about 8 launches, 1 MiB to ``bucket_bytes`` each).
 
@@ -31,17 +34,19 @@ import torch
 from torch.fx import GraphModule
 
 from compiler.passes.bucketing import bucketing, bucketing_
+from compiler.passes.cast import cast, cast_
 from compiler.passes.donate import donate_
 from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
 from compiler.passes.overlap import overlap, overlap_
 from compiler.passes.regather import mark_backward, regather, regather_
 from compiler.passes.remat import Regions, remat, remat_
+from compiler.passes.slice_early import slice_early, slice_early_
 from compiler.passes.views import dense_kernel_inputs_, dense_results, dense_results_, views, views_
 from shardspec.errors import fail
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
-NAMES = ("views", "remat", "regather", "bucket", "inplace", "overlap")
+NAMES = ("views", "remat", "regather", "cast", "bucket", "inplace", "overlap")
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,13 @@ class PassOptions:
     views: bool = True
     remat: bool = True
     regather: bool = True
+    cast: bool = True
     bucket: bool = True
     inplace: bool = True
     overlap: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     zero_bucket_bytes: int | None = None
+    reduce_dtype: torch.dtype | None = None  # gradient reductions in this dtype (None: as computed)
 
 
 def options(spec: Any) -> PassOptions:
@@ -66,18 +73,26 @@ def options(spec: Any) -> PassOptions:
         spec = ()
     if isinstance(spec, Mapping):
         unknown = set(spec) - {f.name for f in fields(PassOptions)}
+        dtype = spec.get("reduce_dtype")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise fail(
+                f"sharded(passes={{'reduce_dtype': {dtype!r}}}) is not a floating dtype.",
+                "use torch.bfloat16 (half the bytes), torch.float32 (sums without bf16 rounding), "
+                "or None (reduce gradients in the dtype they are computed in).",
+            )
         if not unknown:
             return replace(PassOptions(), **dict(spec))
     elif isinstance(spec, Sequence) and not isinstance(spec, str):
         unknown = set(spec) - set(NAMES)
         if not unknown:
-            return PassOptions(**{name: name in spec for name in NAMES})
+            on: dict[str, Any] = {name: name in spec for name in NAMES}
+            return PassOptions(**on)
     else:
         unknown = {spec}
     raise fail(
         f"sharded(passes={spec!r}) names no pass option ({sorted(map(str, unknown))}).",
         f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
-        "names to bools (plus 'bucket_bytes' and 'zero_bucket_bytes').",
+        "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes' and 'reduce_dtype').",
     )
 
 
@@ -94,7 +109,7 @@ def optimize(
     """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes;
     ``backward``: the names of the traced ops that ran in backward, for ``regather`` and ``remat``;
     ``regions``: traced op name -> (remat region, kept by its policy), for ``remat``)."""
-    if not any((opts.views, opts.remat, opts.regather, opts.bucket, opts.inplace, opts.overlap)):
+    if not any((opts.views, opts.remat, opts.regather, opts.cast, opts.bucket, opts.inplace, opts.overlap)):
         return gm
     try:
         annotate(gm, inputs)
@@ -107,12 +122,15 @@ def optimize(
     gm = copy_module(gm)  # once: the passes below rewrite this copy in place (each also exists pure)
     if opts.views:
         views_(gm)
-    if opts.regather or (opts.remat and regions):
+    if opts.regather or (opts.remat and regions) or opts.reduce_dtype is not None:
         mark_backward(gm, set(backward))
     if opts.remat and regions:
         remat_(gm, regions)
     if opts.regather:
         regather_(gm)
+        slice_early_(gm)
+    if opts.cast:
+        cast_(gm, opts.reduce_dtype)
     if opts.bucket:
         try:
             bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
@@ -197,6 +215,7 @@ __all__ = [
     "NAMES",
     "PassOptions",
     "bucketing",
+    "cast",
     "dense_results",
     "donate_programs",
     "inplace",
@@ -206,5 +225,6 @@ __all__ = [
     "overlap",
     "regather",
     "remat",
+    "slice_early",
     "views",
 ]

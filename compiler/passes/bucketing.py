@@ -100,12 +100,17 @@ def plan(gm: GraphModule, bucket_bytes: int, zero_bucket_bytes: int | None = Non
 
     buckets: list[list[Node]] = []
     for key, members in by_key.items():
-        order = sorted(members, key=lambda m: (ready(m), first_use(m), pos[m]))
-        cap = bucket_bytes
-        params = key[0] == "all_gather" and all(ready(m) == 0 for m in members)
-        if params or key[0] == "reduce_scatter":
-            cap = zero_cap(sum(map(_nbytes, members)), bucket_bytes, zero_bucket_bytes)
-        buckets += _greedy(order, ready, first_use, cap)
+        if key[0] == "all_gather":  # parameter gathers get the ZeRO cap, activation gathers DDP's
+            params = [m for m in members if ready(m) == 0]
+            groups = [(params, True), ([m for m in members if ready(m) != 0], False)]
+        else:
+            groups = [(members, key[0] == "reduce_scatter")]
+        for group, zero in groups:
+            order = sorted(group, key=lambda m: (ready(m), first_use(m), pos[m]))
+            cap = (
+                zero_cap(sum(map(_nbytes, group)), bucket_bytes, zero_bucket_bytes) if zero else bucket_bytes
+            )
+            buckets += _greedy(order, ready, first_use, cap)
     return [b for b in buckets if len(b) > 1]
 
 
