@@ -16,6 +16,7 @@ from compiler import passes as program_passes
 from compiler.checkpointing import regions
 from compiler.partition import Inserted, partition
 from compiler.pipeline.plan import PipelinePlan, check_pipeline, drop_boundaries, plan_pipeline
+from compiler.plan.auto import AUTO
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
 from compiler.sources import source_of
@@ -123,8 +124,13 @@ def compile_program(
     paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
     tensor_specs: list[P] = []
     donated: list[int] = []
+    auto_in: list[int] = []  # tensor inputs whose layout the planner chooses (AUTO)
     for path, leaf, spec in zip(paths, leaves, leaf_specs, strict=True):
         where = path_str(names[path[0]], path[1:])
+        if cast(Any, spec) is AUTO:  # replicated for the greedy warm start; the planner chooses
+            spec = P()
+            if isinstance(leaf, torch.Tensor):
+                auto_in.append(len(tensor_specs))
         if not isinstance(spec, P):
             raise fail(f"in_specs for {where} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
         if isinstance(leaf, torch.Tensor):
@@ -144,6 +150,8 @@ def compile_program(
     out_leaf_specs = broadcast_specs(
         out_specs, optree.tree_unflatten(traced.out_tree, list(range(len(traced.outputs)))), "out_specs"
     )
+    auto_out = [k for k, s in enumerate(cast(list[Any], out_leaf_specs)) if s is AUTO]
+    out_leaf_specs = [P() if k in auto_out else s for k, s in enumerate(out_leaf_specs)]
     for out_path, spec, info in zip(traced.out_paths, out_leaf_specs, traced.outputs, strict=True):
         if not isinstance(spec, P):
             raise fail(f"out_specs for {out_path} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
@@ -158,13 +166,20 @@ def compile_program(
     inputs = [Sharding.of(s, len(t.shape)) for s, t in zip(tensor_specs, traced.inputs, strict=True)]
     outputs = [Sharding.of(s, len(t.shape)) for s, t in zip(out_leaf_specs, traced.outputs, strict=True)]
     prop = propagate(traced.module.graph, inputs, outputs, mesh, unsupported, strict=strict)
-    if cost_model is not None:  # the global planner, warm-started from (and never worse than) greedy
-        from compiler.plan import plan_globally
+    if cost_model is not None or auto_in or auto_out:  # the global planner, never worse than greedy
+        from compiler.plan import CostModel, Free, plan_globally
 
         regather = program_passes.options(passes).regather
+        free = Free(auto_in, auto_out, {i: traced.in_paths[i] for i in auto_in})
+        model = cost_model if cost_model is not None else CostModel()
         prop = plan_globally(
-            traced.module.graph, prop, inputs, outputs, mesh, cost_model, unsupported, regather=regather
+            traced.module.graph, prop, inputs, outputs, mesh, model, unsupported, regather=regather, free=free
         )
+        holders = [n for n in traced.module.graph.nodes if n.op == "placeholder"]
+        for i in auto_in:  # the layouts the planner chose for AUTO leaves
+            tensor_specs[i] = prop.value[holders[i]].spec
+        for k in auto_out:
+            out_leaf_specs[k] = prop.outputs[k].spec
     first, inserted = partition(traced.module, prop, mesh, 0, list(traced.in_paths))
     programs = [first]
     if not _even(prop, mesh):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 _COMPILER = ("Lowered", "constrain", "sharded", "value_and_grad")
 # Names whose modules load on first use (module, attribute).
 _LAZY = {
+    "AUTO": ("compiler.plan.auto", "AUTO"),
     "CostModel": ("compiler.plan.costmodel", "CostModel"),
     "Pipeline": ("shardspec.pipeline", "Pipeline"),
     "pipeline_boundary": ("compiler.pipeline.boundary", "pipeline_boundary"),
@@ -58,6 +59,7 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AUTO",
     "CostModel",
     "Lowered",
     "Mesh",

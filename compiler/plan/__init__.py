@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import operator
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Node
 
+from compiler.plan.auto import AUTO, held_bytes, layouts
 from compiler.plan.candidates import candidates
 from compiler.plan.costmodel import CostModel
 from compiler.plan.evaluate import ModeledTime, again, modeled_time
 from compiler.plan.solve import Problem, State
 from compiler.propagate import _Propagator
-from compiler.propagate_state import CONSTRAIN, OpPlan, Propagation
+from compiler.propagate_state import CONSTRAIN, OpPlan, Propagation, shape
 from compiler.sharding import Sharding
+from shardspec.errors import fail
 from shardspec.mesh import Mesh
 
-__all__ = ["CostModel", "ModeledTime", "modeled_time", "plan_globally"]
+__all__ = ["AUTO", "CostModel", "Free", "ModeledTime", "modeled_time", "plan_globally"]
 
 
 def plan_globally(
@@ -40,70 +43,202 @@ def plan_globally(
     cap: int = 24,
     time_limit_s: float = 10.0,
     regather: bool = True,
+    free: Free | None = None,
 ) -> Propagation:
-    """The plan of least modeled time among the candidates, or ``greedy`` when none beats it."""
+    """The plan of least modeled time among the candidates, or ``greedy`` when none beats it.
+
+    ``free``: AUTO inputs and results (placeholder / result positions with their paths), whose
+    layouts the planner chooses too, under ``model.memory_bytes``."""
+    free = free or Free()
     if mesh.size == 1:
         return greedy
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    choices = {placeholders[i]: layouts(shape(placeholders[i]), mesh) for i in free.inputs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # greedy already warned about replicated fallbacks
-        looker = _Propagator(graph, inputs, outputs, mesh, unsupported)
-        looker.sweep_wants()
-        problem = Problem(mesh, model)
-        states: dict[Node, list[State]] = {}
-        options: dict[Node, list[OpPlan]] = {}
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        for n, s in zip(placeholders, inputs, strict=True):
-            states[n] = [(s, None)]
-        for node in graph.nodes:
-            if node.op == "get_attr":
-                states[node] = [(greedy.value[node], None)]
-            elif node.op == "call_function" and node.target is operator.getitem:
-                src, idx = node.args
-                assert isinstance(src, Node) and isinstance(idx, int)
-                xs = problem.choice[src]
-                states[node] = [(p.outputs[idx], x) for p, x in zip(options[src], xs, strict=True)]
-            elif node.op == "call_function":
-                g = greedy.plans[node]
-                if node.target is CONSTRAIN:
-                    plans = [g]
-                else:
-                    rule, operands = looker.rule(node)
-                    st = [[s for s, _ in states[o]] for o in operands]
-                    plans = candidates(node, rule, operands, st, looker.want.get(node), g, mesh, cap)
-                options[node] = plans
-                xs = problem.add_op(node, plans)
-                for p, x in zip(plans, xs, strict=True):
-                    for o, r in zip(p.operands, p.required, strict=True):
-                        problem.demand(o, states[o], r, x, again(o, node, regather))
-                if len(g.outputs) == 1:
-                    states[node] = [(p.outputs[0], x) for p, x in zip(plans, xs, strict=True)]
-            elif node.op == "output":
-                for v, s in zip(node.args[0], outputs, strict=True):
-                    if isinstance(v, Node):
-                        problem.demand(v, states[v], s, None)
+        problem, options = _build(
+            graph, greedy, inputs, outputs, mesh, model, unsupported, cap, regather, free, choices
+        )
+    memory_row(problem, placeholders, inputs, choices, mesh, model)
     try:
         chosen = problem.solve(time_limit_s)
     except Exception:  # a solver failure keeps the greedy plan
         chosen = None
+    fits = _held(placeholders, greedy, mesh) <= (model.memory_bytes or float("inf"))
     if chosen is None:
+        if not fits:
+            raise fail(
+                f"no plan found that holds the step's inputs within memory_bytes={model.memory_bytes} per "
+                f"device (replicated AUTO inputs hold {_held(placeholders, greedy, mesh)}).",
+                "raise CostModel(memory_bytes=...), add devices, or split more inputs by hand.",
+            )
         return greedy
-    result = Propagation(outputs=list(greedy.outputs), notes=list(greedy.notes))
-    result.value.update({n: v for n, v in greedy.value.items() if n.op in ("placeholder", "get_attr")})
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            src, idx = node.args
-            result.value[node] = result.plans[src].outputs[idx]
-            continue
-        p = options[node][chosen[node]]
-        result.plans[node] = p
-        result.value[node] = p.outputs[0] if len(p.outputs) == 1 else p.outputs  # type: ignore[assignment]
-    before = modeled_time(graph, greedy, mesh, model, regather).total_s
+    result = _assemble(graph, greedy, outputs, options, choices, chosen, free)
+    before = modeled_time(graph, greedy, mesh, model, regather).total_s if fits else float("inf")
     after = modeled_time(graph, result, mesh, model, regather).total_s
     if not after < before * (1 - 1e-9):
         return greedy
     result.notes.append(
         f"global plan: modeled step {after * 1e3:.4g} ms against greedy propagation's {before * 1e3:.4g} ms"
     )
+    for i in free.inputs[:8]:  # each AUTO leaf against its next best layout (one more solve each)
+        n = placeholders[i]
+        picked = chosen[n]
+        problem.rows.append(({problem.choice[n][picked]: 1.0}, 0.0, 0.0))
+        other = problem.solve(time_limit_s)
+        problem.rows.pop()
+        s = result.value[n]
+        assert isinstance(s, Sharding)
+        text = (
+            f"AUTO {free.in_paths.get(i, n.name)}: chose {s} (modeled step {after * 1e3:.4g} ms, "
+            f"{held_bytes(shape(n), _itemsize(n), s, mesh)} bytes per device)"
+        )
+        if other is not None:
+            alt = _assemble(graph, greedy, outputs, options, choices, other, free)
+            t = modeled_time(graph, alt, mesh, model, regather).total_s
+            a = alt.value[n]
+            assert isinstance(a, Sharding)
+            text += f"; next best {a}: {t * 1e3:.4g} ms, {held_bytes(shape(n), _itemsize(n), a, mesh)} bytes"
+        result.notes.append(text)
+    return result
+
+
+@dataclass(frozen=True)
+class Free:
+    """Positions of AUTO inputs (placeholders) and results, with their paths for explain()."""
+
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+    in_paths: dict[int, str] = field(default_factory=dict)
+
+
+def _itemsize(n: Node) -> int:
+    return int(n.meta["val"].element_size())
+
+
+def _held(placeholders: list[Node], prop: Propagation, mesh: Mesh) -> int:
+    total = 0
+    for n in placeholders:
+        s = prop.value[n]
+        assert isinstance(s, Sharding)
+        total += held_bytes(shape(n), _itemsize(n), s, mesh)
+    return total
+
+
+def memory_row(
+    problem: Problem,
+    placeholders: list[Node],
+    inputs: list[Sharding],
+    choices: dict[Node, list[Sharding]],
+    mesh: Mesh,
+    model: CostModel,
+) -> None:
+    """The memory limit: the inputs each device holds (fixed ones as they are, AUTO ones as chosen)."""
+    if model.memory_bytes is None:
+        return
+    fixed = sum(
+        held_bytes(shape(n), _itemsize(n), s, mesh)
+        for n, s in zip(placeholders, inputs, strict=True)
+        if n not in choices
+    )
+    row = {
+        x: float(held_bytes(shape(n), _itemsize(n), s, mesh))
+        for n, opts in choices.items()
+        for s, x in zip(opts, problem.choice[n], strict=True)
+    }
+    problem.rows.append((row, -float("inf"), float(model.memory_bytes - fixed)))
+
+
+def _build(
+    graph: torch.fx.Graph,
+    greedy: Propagation,
+    inputs: list[Sharding],
+    outputs: list[Sharding],
+    mesh: Mesh,
+    model: CostModel,
+    unsupported: str,
+    cap: int,
+    regather: bool,
+    free: Free,
+    choices: dict[Node, list[Sharding]],
+) -> tuple[Problem, dict[Node, list[OpPlan]]]:
+    looker = _Propagator(graph, inputs, outputs, mesh, unsupported)
+    looker.sweep_wants()
+    problem = Problem(mesh, model)
+    states: dict[Node, list[State]] = {}
+    options: dict[Node, list[OpPlan]] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for n, s in zip(placeholders, inputs, strict=True):
+        if n in choices:
+            xs = problem.add_choice(n, len(choices[n]))
+            states[n] = list(zip(choices[n], xs, strict=True))
+        else:
+            states[n] = [(s, None)]
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            states[node] = [(greedy.value[node], None)]
+        elif node.op == "call_function" and node.target is operator.getitem:
+            src, idx = node.args
+            assert isinstance(src, Node) and isinstance(idx, int)
+            xs = problem.choice[src]
+            states[node] = [(p.outputs[idx], x) for p, x in zip(options[src], xs, strict=True)]
+        elif node.op == "call_function":
+            g = greedy.plans[node]
+            if node.target is CONSTRAIN:
+                plans = [g]
+            else:
+                rule, operands = looker.rule(node)
+                st = [[s for s, _ in states[o]] for o in operands]
+                plans = candidates(node, rule, operands, st, looker.want.get(node), g, mesh, cap)
+            options[node] = plans
+            xs = problem.add_op(node, plans)
+            for p, x in zip(plans, xs, strict=True):
+                for o, r in zip(p.operands, p.required, strict=True):
+                    problem.demand(o, states[o], r, x, again(o, node, regather))
+            if len(g.outputs) == 1:
+                states[node] = [(p.outputs[0], x) for p, x in zip(plans, xs, strict=True)]
+        elif node.op == "output":
+            for k, (v, s) in enumerate(zip(node.args[0], outputs, strict=True)):
+                if not isinstance(v, Node):
+                    continue
+                if k in free.outputs:  # an AUTO result leaves as computed, its pending sums reduced
+                    for held, sel in states[v]:
+                        if held.partial:
+                            problem.demand(v, [(held, sel)], held.without_partial(), None)
+                else:
+                    problem.demand(v, states[v], s, None)
+    return problem, options
+
+
+def _assemble(
+    graph: torch.fx.Graph,
+    greedy: Propagation,
+    outputs: list[Sharding],
+    options: dict[Node, list[OpPlan]],
+    choices: dict[Node, list[Sharding]],
+    chosen: dict[Node, int],
+    free: Free,
+) -> Propagation:
+    result = Propagation(outputs=list(outputs), notes=list(greedy.notes))
+    for n, v in greedy.value.items():
+        if n.op in ("placeholder", "get_attr"):
+            result.value[n] = choices[n][chosen[n]] if n in choices else v
+    for node in graph.nodes:
+        if node.op == "output":
+            for k in free.outputs:
+                v = node.args[0][k]
+                if isinstance(v, Node):
+                    s = result.value[v]
+                    assert isinstance(s, Sharding)
+                    result.outputs[k] = s.without_partial()
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            assert isinstance(src, Node) and isinstance(idx, int)
+            result.value[node] = result.plans[src].outputs[idx]
+            continue
+        p = options[node][chosen[node]]
+        result.plans[node] = p
+        result.value[node] = p.outputs[0] if len(p.outputs) == 1 else p.outputs  # type: ignore[assignment]
     return result

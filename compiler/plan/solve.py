@@ -51,6 +51,13 @@ class Problem:
         self.choice[node] = xs
         return xs
 
+    def add_choice(self, node: Node, count: int) -> list[int]:
+        """``count`` layouts of an AUTO input, one to be chosen (free in itself)."""
+        xs = [self.var(0.0) for _ in range(count)]
+        self.rows.append((dict.fromkeys(xs, 1.0), 1.0, 1.0))
+        self.choice[node] = xs
+        return xs
+
     def demand(
         self, value: Node, states: list[State], target: Sharding, consumer: int | None, again: bool = False
     ) -> None:
