@@ -278,8 +278,11 @@ def report(p: int = 4, m: int = 8, torch_p: int = 2) -> str:
         "- P2P bytes per step: each cut sends one activation forward and one activation gradient",
         "  backward per microbatch, `2 * m * (cut activation bytes)` per cut, listed by",
         "  `collectives()` (kind `send`) and counted by `cost()` (the busiest position).",
-        "- Each position reads only its stages' inputs; on a real mesh a result of another stage comes",
-        "  back as a DTensor with an empty local block, and the next step takes it back as it came out.",
+        "- Each position reads only its stages' inputs. On a real mesh each result comes back as a",
+        "  DTensor on the sub-mesh of the stage that computed it (the ranks at that position along the",
+        "  pipeline axis; ranks outside hold an empty local tensor, as torch does for sub-meshes), or on",
+        "  the whole mesh when every stage computes it (a step counter); the next step takes them back",
+        "  as they came out.",
         "- `lowered.pipeline_schedule()` gives the action lists (with sends and receives), the planned",
         "  timeline and `svg()`; `compiler.pipeline.timeline.recording()` records each action's start",
         "  and end per rank, and `svg(measured=spans)` draws that instead.",
@@ -365,8 +368,9 @@ def report(p: int = 4, m: int = 8, torch_p: int = 2) -> str:
         "  gradient's DP all-reduce is its own launch, issued async once the gradient is complete",
         "  (after the stage's last microbatch) and waited at the optimizer.",
         "- Sends are one tensor each (not batched into one launch).",
-        "- On a real mesh a value of another stage comes back as a DTensor with an empty local block",
-        "  (not a DTensor on the stage's sub-mesh); `full_tensor()` of it is not meaningful.",
+        "- The error for a value that cannot be sent comes from the checker rejecting a step's P2P;",
+        "  user code offers no way to build such a step yet (values crossing several cuts are sent",
+        "  directly), so that error has no test of its own.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -18,6 +18,7 @@ from compiler import inputs
 from compiler.backend import wrap_results
 from compiler.constrain import constrain
 from compiler.lowered import Lowered
+from compiler.pipeline.real import stage_input, stage_results
 from compiler.program import Program, broadcast_specs, compile_program
 from compiler.trace import arg_names
 from shardspec.errors import fail
@@ -313,6 +314,12 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
     ):
         if reads is not None and i not in reads:  # another pipeline stage's value: not held here
             local.append(torch.empty(0, dtype=t.dtype))
+        elif (
+            pp is not None
+            and isinstance(t, DTensor)
+            and (block := stage_input(t, program, want, path)) is not None
+        ):
+            local.append(block)  # a DTensor on its stage's sub-mesh, as the step returned it
         elif isinstance(t, DTensor):
             inputs.check_dtensor_mesh(t, mesh, path)
             if tuple(t.placements) != want:
@@ -326,10 +333,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
         from collectives.distributed import wait_sends
 
         wait_sends()
-        # a value of another stage: an empty block here (the next step reads it only on its stage)
-        outs = [
-            torch.empty(0, dtype=t.dtype) if o is None else o for o, t in zip(outs, program.traced.outputs)
-        ]
+        return stage_results(program, outs, plan.out_placements, plan.out_shapes, plan.out_strides)
     return wrap_results(outs, mesh.device_mesh, plan.out_placements, plan.out_shapes, plan.out_strides)
 
 

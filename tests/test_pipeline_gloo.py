@@ -38,8 +38,13 @@ def _two_steps(rank, world, shape, schedule, v):
     out = run(out[0], out[1], x, y)  # DTensors back as they came out (other stages' blocks empty)
     paths, leaves, _ = optree.tree_flatten_with_path(out, none_is_leaf=False)
     held = {}
+    stage_size = mesh.size // mesh.axis_size("pp")
     for path, leaf in zip(paths, leaves, strict=True):
         assert isinstance(leaf, DTensor)
+        # a stage's value lives on its sub-mesh; only a value every stage holds spans the mesh
+        assert leaf.device_mesh.size() in (stage_size, mesh.size), (path, leaf.device_mesh)
+        if "blocks" in str(path):  # parameters and moments: on their stage's sub-mesh only
+            assert leaf.device_mesh.size() == stage_size, (path, leaf.device_mesh)
         local = leaf.to_local()
         if local.numel():  # a value of another stage is an empty block here
             held[str(path)] = local.clone()
