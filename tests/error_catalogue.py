@@ -70,6 +70,18 @@ def _random(x: torch.Tensor) -> torch.Tensor:
     return x * torch.randint_like(x, 10)
 
 
+_REMAT_BUF = torch.zeros(4)
+
+
+def _writes_buffer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _REMAT_BUF.add_(1)
+    return x @ w
+
+
+def _remat_writes(w: torch.Tensor, x: torch.Tensor) -> Any:
+    return shardspec.value_and_grad(lambda w, x: shardspec.remat(_writes_buffer)(x, w).sum())(w, x)[0]
+
+
 def _item(x: torch.Tensor) -> torch.Tensor:
     return x * x.sum().item()
 
@@ -322,6 +334,33 @@ CASES: tuple[Case, ...] = (
         "an SGD hyper-parameter out of range",
         lambda: optim.sgd(lr=0.1, momentum=-1.0),
         ("momentum=-1.0", "momentum >= 0"),
+    ),
+    # memory
+    Case(
+        "memory",
+        "a donated argument the step returns unchanged",
+        lambda: _step(lambda w, x: (w, x.sum()), (P(), P("dp")), (P(), P()), mesh=DP, donate=(0,))(
+            torch.ones(2), torch.ones(4)
+        ),
+        ("w is donated", "returns it", "do not donate the argument holding w"),
+    ),
+    Case(
+        "memory",
+        "remat around a function with side effects",
+        lambda: _step(_remat_writes, (P(), P("dp")), P(), mesh=DP)(torch.randn(4, 4), X),
+        ("remat(_writes_buffer) writes in place", "add_", "(4,)", "make _writes_buffer pure"),
+    ),
+    Case(
+        "memory",
+        "an unknown remat policy",
+        lambda: shardspec.remat(_mlp, policy="save_everything"),
+        ("policy='save_everything'", "save_matmuls"),
+    ),
+    Case(
+        "memory",
+        "a gradient reduction dtype that is not floating",
+        lambda: _step(_mlp, (P(), P("dp")), P(), passes={"reduce_dtype": torch.int32}),
+        ("reduce_dtype", "torch.int32", "torch.bfloat16"),
     ),
 )
 
