@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.fx import Node
@@ -52,6 +52,11 @@ def plan_globally(
     free = free or Free()
     if mesh.size == 1:
         return greedy
+    if free.inputs or free.outputs:  # warm start: the best plan with AUTO leaves replicated
+        unbounded = replace(model, memory_bytes=None)  # the limit binds the AUTO choice below
+        greedy = plan_globally(
+            graph, greedy, inputs, outputs, mesh, unbounded, unsupported, cap, time_limit_s, regather
+        )
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     choices = {placeholders[i]: layouts(shape(placeholders[i]), mesh) for i in free.inputs}
     with warnings.catch_warnings():
