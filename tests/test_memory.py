@@ -294,3 +294,24 @@ def test_zero3_peak_falls_with_the_mesh_on_a_model_state_dominated_config():
         tok = torch.randint(0, cfg.vocab, (n, cfg.seq), generator=torch.Generator().manual_seed(4))
         peaks[n] = f.lower(params, OPT.init(params), tok, tok).cost().peak_memory_bytes_per_rank
     assert peaks[8] <= 0.35 * peaks[2]
+
+
+def test_memory_table_smoke(monkeypatch):
+    """docs/memory.md's generator (benchmarks/memory_table.py), bounded: a 1-layer model, one
+    simulated row and the same step on 2 gloo processes (forked: they see the patched model), each
+    rank's peak of live storage measured against cost()."""
+    from benchmarks import memory_table
+    from benchmarks.memory_table import Row, _gloo, simulated_row
+    from shardspec.testing import run_distributed
+
+    monkeypatch.setattr(memory_table, "CFG", gpt.Config(vocab=128, seq=32, d=128, heads=4, layers=1))
+
+    row = simulated_row(Row("zero3", 2, remat=True, donate=True))
+    assert abs(row.model_state - 8 * row.psi) <= 0.05 * 8 * row.psi  # 16Ψ/N
+    assert abs(row.predicted - row.measured) <= 0.05 * row.measured
+    per_rank = run_distributed(
+        _gloo, 2, args=([Row("zero3", 0, remat=False, donate=True)], False), timeout=600
+    )
+    for out in per_rank:
+        (measured,) = out["rows"]
+        assert abs(measured.predicted - measured.measured) <= 0.05 * measured.measured
