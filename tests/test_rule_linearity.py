@@ -65,6 +65,7 @@ def _hand() -> dict[Any, list[Call]]:
         aten.mm.default: [((x, w), {})],
         aten.bmm.default: [((_r(2, 3, 4), _r(2, 4, 5)), {})],
         torch.ops.shardspec.matmul.default: [((_r(2, 2, 3, 4), _r(2, 2, 4, 5)), {})],
+        torch.ops.shardspec.pipeline_boundary.default: [((x,), {"cut": 0, "backward": False})],
         aten.add.Tensor: [((x, y), {}), ((x, 1.0), {}), ((1.0, x), {}), ((x, y), {"alpha": 2})],
         aten.sub.Tensor: [((x, y), {}), ((x, 1.0), {}), ((1.0, x), {}), ((x, _r(4)), {})],
         aten.mul.Tensor: [((x, y), {}), ((x, 2.0), {}), ((2.0, x), {}), ((x, _r(4)), {})],
