@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     from compiler.partition import Inserted
 
 _BACKWARD = "backward of "
+_USER_OPS = {
+    "mm": "matmul",
+    "bmm": "matmul",
+    "addmm": "matmul",
+    "to_copy": "cast",
+    "view": "reshape",
+    "unsafe_view": "reshape",
+    "native_layer_norm": "layer_norm",
+    "log_softmax": "log_softmax",
+}
 _PASS_THROUGH = ("view", "reshape", "t", "permute", "transpose", "expand", "_to_copy", "clone", "alias")
 
 
@@ -125,11 +135,12 @@ class _Namer:
         return None
 
     def op(self, n: Node) -> str:
+        """The op as a user writes it (``mm`` -> ``matmul``, ``_to_copy`` -> ``cast``)."""
         if not isinstance(n.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
             return getattr(n.target, "__name__", str(n.target))
         name = str(n.target).split(".")
-        base = name[1] if name[0] in ("aten", "shardspec") and len(name) > 1 else name[0]
-        return base.lstrip("_")
+        base = (name[1] if name[0] in ("aten", "shardspec") and len(name) > 1 else name[0]).lstrip("_")
+        return _USER_OPS.get(base, base)
 
 
 def _shape(n: Node) -> tuple[int, ...] | None:
