@@ -1,9 +1,11 @@
 """Plan the cheapest sequence of collectives that turns one sharding of a value into another.
 
 Order: resolve pending sums (reduce-scatter onto a dim the target splits over exactly those axes,
-else all-reduce), move splits between dims (all-to-all), un-split dims the target splits differently
-(all-gather), then split dims locally (a slice of this rank's block: no communication). The same plan
-prices candidates during propagation and is emitted by the partitioner, so estimated and emitted
+or over those axes first and more after: the remaining split is then a local slice of each reduced
+block, as a dim split over ``(a, b)`` is ``a``'s blocks cut by ``b``; else all-reduce), move
+splits between dims (all-to-all), un-split dims the target splits differently (all-gather), then
+split dims locally (a slice of this rank's block: no communication). The same plan prices
+candidates during propagation and is emitted by the partitioner, so estimated and emitted
 communication agree by construction. Bytes are per rank, by the ring formulas, for the largest block.
 """
 
@@ -66,8 +68,21 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, src: Sharding, dst: Shardin
             None,
         )
         rest = tuple(a for a in cur.partial if a in dst.partial)
+        if target is None:  # a dim the target splits over the pending axes first, then others:
+            # reduce-scatter over the pending axes (the major blocks), then slice the rest locally
+            target = next(
+                (
+                    d
+                    for d in range(len(shape))
+                    if not cur.dims[d]
+                    and set(dst.dims[d][: len(pending)]) == set(pending)
+                    and len(dst.dims[d]) > len(pending)
+                    and shape[d] % mesh.axis_size(dst.dims[d]) == 0
+                ),
+                None,
+            )
         if target is not None:
-            axes = dst.dims[target]
+            axes = dst.dims[target][: len(pending)]
             steps.append(
                 Step(
                     "reduce_scatter",

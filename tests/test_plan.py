@@ -147,3 +147,15 @@ def test_a_one_device_mesh_keeps_the_greedy_plan():
     mesh = Mesh({"dp": 1}, simulate=True)
     low = _lower((8, 16, 4), 8, {"w1": P(), "b1": P(), "w2": P()}, P("dp"), BANDWIDTH_ONLY, mesh=mesh)
     assert low.cost().comm_bytes_per_rank == 0
+
+
+def test_zero3_over_an_axis_tuple_reduce_scatters_gradients():
+    """Parameters split over ("dp", "tp"), batch over dp: each gradient is pending over dp only; it is
+    reduce-scattered over dp (the major blocks) and sliced over tp locally, never all-reduced."""
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+    tup = {"w1": P(("dp", "tp")), "b1": P(("dp", "tp")), "w2": P(("dp", "tp"))}
+    low = _lower((8, 16, 4), 16, tup, P("dp"), None, mesh=mesh)
+    psi = 8 * 16 + 16 + 16 * 4
+    scatters = [r for r in _tensors(low) if r.kind == "reduce_scatter"]
+    assert not [r for r in _tensors(low) if r.kind == "all_reduce"]
+    assert sum(r.bytes_per_rank for r in scatters) == (2 - 1) / 2 * psi * 4  # phi_dp * Psi * 4
