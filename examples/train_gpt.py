@@ -15,6 +15,9 @@ Strategies (``--strategy``; the batch is always split over ``dp`` when the mesh 
   tp-sp   dp-tp plus sequence parallelism: the residual stream split over the sequence on tp
   zero3-tp  2D: tp as above, and every parameter also split over dp (FSDP + TP)
 
+``--dropout 0.1`` adds dropout (embeddings, attention and MLP outputs); the masks come from a key
+derived from the step number, counter-based, so they are the same on every mesh and after a resume.
+
 Under torchrun without ``--mesh`` the mesh is ``dp=W`` (or ``dp=W/2,tp=2`` for tp strategies) for a
 world size W. Without torchrun the run is simulated (or pass ``--simulate`` / ``--real``).
 
@@ -36,7 +39,7 @@ import torch
 
 import shardspec
 from examples import _cli
-from examples.models import gpt
+from examples.models import gpt, gpt_dropout
 from shardspec import P, checkpoint, optim, sharded
 
 OPT = optim.adamw(lr=1e-3, weight_decay=0.01, eps=1e-6)
@@ -92,6 +95,22 @@ def make_step(cfg: gpt.Config) -> Any:
     return train_step
 
 
+def make_dropout_step(cfg: gpt.Config, rate: float) -> Any:
+    """The step with dropout (``examples/models/gpt_dropout.py``): masks drawn from ``key``."""
+
+    def train_step(params: Any, state: Any, tokens: torch.Tensor, targets: torch.Tensor, key: Any) -> Any:
+        loss, grads = shardspec.value_and_grad(gpt_dropout.loss_fn)(params, tokens, targets, key, cfg, rate)
+        params, state = OPT.update(grads, state, params)
+        return params, state, loss
+
+    return train_step
+
+
+def step_key(step: int) -> torch.Tensor:
+    """The random key of step ``step``: a function of the step alone, so a resumed run draws the same."""
+    return shardspec.random.fold_in(shardspec.random.key(0), step)
+
+
 def _die(where: str) -> None:
     print(f"rank {os.environ.get('RANK')}: killing myself (SIGKILL) {where}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -116,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--strategy", choices=STRATEGIES, default="dp-tp")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2, help="transformer blocks (fewer compile faster)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout rate (masks the same on every mesh)")
     ap.add_argument("--ckpt", help="checkpoint root directory (resumes from its newest checkpoint)")
     ap.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="save every K steps")
     ap.add_argument("--out", help="write the final parameters (global tensors) to this file")
@@ -162,9 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     pspec = strategy_specs(args.strategy, params, args.mesh)
     sspec = state_specs(args.strategy, pspec, args.mesh)
     bspec = P("dp") if "dp" in args.mesh else P()
-    step_fn = sharded(
-        make_step(cfg), mesh=mesh, in_specs=(pspec, sspec, bspec, bspec), out_specs=(pspec, sspec, P())
-    )
+    if args.dropout:
+        fn, in_specs = make_dropout_step(cfg, args.dropout), (pspec, sspec, bspec, bspec, P())
+    else:
+        fn, in_specs = make_step(cfg), (pspec, sspec, bspec, bspec)
+    step_fn = sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=(pspec, sspec, P()))
     state, start = OPT.init(params), 0
     found = checkpoint.find(args.ckpt) if args.ckpt else None
     if found is not None:
@@ -179,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(start, args.steps):
         if fault and i == args.kill_step and not args.kill_during_save:
             _die(f"before step {i + 1}")
-        params, state, loss = step_fn(params, state, *batch(i, cfg))
+        key = (step_key(i),) if args.dropout else ()
+        params, state, loss = step_fn(params, state, *batch(i, cfg), *key)
         value = loss if mesh.simulated else loss.full_tensor()
         say(f"step {i + 1}: loss {value.item():.4f}", flush=True)
         if args.ckpt and args.ckpt_every and (i + 1) % args.ckpt_every == 0:

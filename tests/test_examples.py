@@ -107,6 +107,18 @@ def test_train_gpt_every_strategy_equals_unsharded(strategy: str, tmp_path: Path
     torch.testing.assert_close(torch.load(out), params, rtol=1e-4, atol=1e-5)
 
 
+def test_train_gpt_with_dropout_equals_unsharded(tmp_path: Path) -> None:
+    out = tmp_path / "params.pt"
+    argv = ["--strategy", "zero3-tp", "--steps", "2", "--layers", "1", "--dropout", "0.1", "--out", str(out)]
+    _run(train_gpt.main, argv)
+    cfg = gpt.Config(layers=1)
+    params = gpt.init(cfg)
+    state, step = train_gpt.OPT.init(params), train_gpt.make_dropout_step(cfg, 0.1)
+    for i in range(2):
+        params, state, _loss = step(params, state, *train_gpt.batch(i, cfg), train_gpt.step_key(i))
+    torch.testing.assert_close(torch.load(out), params, rtol=1e-4, atol=1e-5)
+
+
 def test_hf_gpt2_matches_unsharded_module() -> None:
     pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
     result, text = _run(hf_gpt2.main, ["--steps", "1", "--layers", "1"])
