@@ -2,6 +2,8 @@
 each rank returns its own stage's parameters, optimizer state and (last stage) loss, and the second
 step takes them back as they came out."""
 
+import os
+
 import optree
 import pytest
 import torch
@@ -15,13 +17,13 @@ pytestmark = pytest.mark.multiprocess
 D, HIDDEN, CLASSES, BATCH, M = 8, 16, 4, 16, 4
 
 
-def _two_steps(rank, world, shape, schedule, v):
+def _two_steps(rank, world, shape, schedule, v, layers):
     from torch.distributed.tensor import DTensor
 
     from shardspec import P, Pipeline, sharded
 
     opt = optim.adamw(lr=1e-2, weight_decay=0.1)
-    params = pm.init(4, D, HIDDEN, CLASSES)
+    params = pm.init(layers, D, HIDDEN, CLASSES)
     state = opt.init(params)
     x, y = pm.data(BATCH, D, CLASSES)
     step = pm.make_step(M, opt)
@@ -62,7 +64,8 @@ def _two_steps(rank, world, shape, schedule, v):
 )
 def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
     opt = optim.adamw(lr=1e-2, weight_decay=0.1)
-    params = pm.init(4, D, HIDDEN, CLASSES)
+    layers = max(4, shape["pp"] * v)  # one layer per stage at least
+    params = pm.init(layers, D, HIDDEN, CLASSES)
     x, y = pm.data(BATCH, D, CLASSES)
     step = pm.make_step(M, opt)
     want = step(params, opt.init(params), x, y)
@@ -71,7 +74,7 @@ def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
     specs = dict(zip(*_flat((ps, ss, pm.P())), strict=True))
     reference = dict(zip(*_flat(want), strict=True))
     mesh = Mesh(shape, simulate=True)
-    results = run_distributed(_two_steps, 4, args=(shape, schedule, v), timeout=240)
+    results = run_distributed(_two_steps, 4, args=(shape, schedule, v, layers), timeout=240)
     seen = set()
     for r in results:
         stage = mesh.axis_index(r["rank"], "pp")
@@ -89,3 +92,20 @@ def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
 def _flat(tree):
     paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)
     return [str(p) for p in paths], leaves
+
+
+FULL = [
+    (shape, schedule, 2 if schedule == "interleaved" else 1)
+    for shape in ({"pp": 2, "dp": 2}, {"pp": 2, "tp": 2}, {"pp": 4})
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("shape", "schedule", "v"), FULL)
+def test_every_schedule_on_every_gloo_mesh(shape, schedule, v):
+    """All 12 (mesh, schedule) pairs: SHARDSPEC_PIPELINE=full (about 3 minutes); CI runs the four
+    pairs of test_pipeline_on_gloo_matches_single_process."""
+    if os.environ.get("SHARDSPEC_PIPELINE") != "full":
+        pytest.skip("the full mesh x schedule matrix runs with SHARDSPEC_PIPELINE=full")
+    test_pipeline_on_gloo_matches_single_process(shape, schedule, v)
