@@ -45,6 +45,7 @@ _SIZE_ARG = {
     aten.empty.memory_format: 0,
     aten.empty_permuted.default: 0,
 }
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
 _LIKE = {
     aten.full_like.default: None,
     aten.zeros_like.default: 0,
@@ -199,7 +200,10 @@ class _Partitioner:
         kwargs = {k: (self.env[v] if isinstance(v, Node) else v) for k, v in node.kwargs.items()}
         assert callable(node.target)
         fused = self.addmm(node, args)
-        self.env[node] = fused or self.graph.call_function(node.target, tuple(args), kwargs)
+        # a view of the global value may not be one of a local block (a slice has other strides);
+        # the program mutates nothing, so reshape (a view where it can be) means the same
+        target = aten.reshape.default if node.target in _VIEWS else node.target
+        self.env[node] = fused or self.graph.call_function(target, tuple(args), kwargs)
         self.env[node].meta["shardspec_origin"] = node.name
 
     def addmm(self, node: Node, args: list[Any]) -> Node | None:

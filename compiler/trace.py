@@ -309,7 +309,7 @@ def _already_functional(module: torch.fx.GraphModule) -> bool:
         if schema.is_mutable:
             return False
         if any(r.alias_info is not None for r in schema.returns):
-            if n.target._opname not in _PURE_VIEWS:
+            if n.target._opname not in _PURE_VIEWS or n.target is aten.view.dtype:
                 return False
             if any(a in aliases for a in n.all_input_nodes):
                 aliases.add(n)
