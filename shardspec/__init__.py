@@ -28,7 +28,8 @@ from shardspec.specs_match import match_specs
 from shardspec.visualize import visualize
 
 if TYPE_CHECKING:
-    from compiler import Lowered, constrain, sharded, value_and_grad
+    from compiler import Lowered, sharded, value_and_grad
+    from compiler.constrain import constrain
 
 _COMPILER = ("Lowered", "constrain", "sharded", "value_and_grad")
 # Names whose modules load on first use (module, attribute).
