@@ -2,13 +2,19 @@
 
 import subprocess
 import sys
-import time
 
 
-def _import_seconds(module: str) -> float:
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
-    return time.perf_counter() - start
+def _extra_seconds() -> float:
+    """In a fresh process: seconds ``import shardspec`` takes after ``import torch``."""
+    code = (
+        "import time\n"
+        "import torch\n"
+        "t1 = time.perf_counter()\n"
+        "import shardspec\n"
+        "print(time.perf_counter() - t1)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return float(out.stdout)
 
 
 def test_import_shardspec_loads_neither_dtensor_nor_the_compiler():
@@ -23,9 +29,6 @@ def test_import_shardspec_loads_neither_dtensor_nor_the_compiler():
 
 
 def test_import_shardspec_within_one_second_of_import_torch():
-    # best of two each, alternating, so a burst of load on a shared machine does not decide it
-    torch_s, ours_s = [], []
-    for _ in range(2):
-        torch_s.append(_import_seconds("torch"))
-        ours_s.append(_import_seconds("shardspec"))
-    assert min(ours_s) - min(torch_s) < 1.0, (torch_s, ours_s)
+    # best of three fresh processes, so a burst of load on a shared machine does not decide it
+    extra = [_extra_seconds() for _ in range(3)]
+    assert min(extra) < 1.0, extra
