@@ -150,7 +150,7 @@ def _flash_fits(args: Any, kwargs: dict[str, Any]) -> bool:
         and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         and q.shape[:2] == k.shape[:2] == v.shape[:2]
         and k.shape[2] == v.shape[2]
-        and q.shape[3] == k.shape[3]
+        and q.shape[3] == k.shape[3] == v.shape[3]  # the kernel takes one head size
         and min(q.shape[2], k.shape[2]) > 0
     )
 

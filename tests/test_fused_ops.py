@@ -95,6 +95,13 @@ def test_attention_with_mask_or_dropout_free_shapes_keeps_the_math_form() -> Non
     assert _ops(step, q, k, v)["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 0
 
 
+def test_attention_whose_value_head_size_differs_keeps_the_math_form() -> None:
+    """The flash kernel needs one head size for q, k and v; a different v head size runs as math."""
+    q, k, v = _gen(2, 2, 4, 8), _gen(2, 2, 4, 8, seed=1), _gen(2, 2, 4, 6, seed=2)
+    step = _check(_attention(True), (q, k, v), (P("dp"),) * 3, DP2, (0, 1, 2))
+    assert _ops(step, q, k, v)["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 0
+
+
 def _norm_gelu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     h = F.layer_norm(x, (x.shape[-1],), w, b)
     return (F.gelu(h, approximate="tanh") + F.gelu(h)).log_softmax(-1).softmax(-1).square().sum()
