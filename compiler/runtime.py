@@ -312,14 +312,14 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
     for i, (t, path, want, where) in enumerate(
         zip(tensors, program.traced.in_paths, plan.in_placements, plan.in_slices, strict=True)
     ):
-        if reads is not None and i not in reads:  # another pipeline stage's value: not held here
-            local.append(torch.empty(0, dtype=t.dtype))
-        elif (
+        if (
             pp is not None
             and isinstance(t, DTensor)
-            and (block := stage_input(t, program, want, path)) is not None
+            and (block := stage_input(t, program, i, want, path)) is not None
         ):
-            local.append(block)  # a DTensor on its stage's sub-mesh, as the step returned it
+            local.append(block)  # a DTensor on a stage's sub-mesh, as the step returned it
+        elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
+            local.append(torch.empty(0, dtype=t.dtype))
         elif isinstance(t, DTensor):
             inputs.check_dtensor_mesh(t, mesh, path)
             if tuple(t.placements) != want:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from collectives.ops import mesh_key
-from shardspec.errors import fail
+from shardspec.layout import device_slices
 from shardspec.mesh import Mesh
 
 if TYPE_CHECKING:
@@ -65,8 +65,17 @@ def on_stage_mesh(t: Any, meshes: Sequence[Any]) -> int | None:
     return None
 
 
-def stage_input(t: Any, program: Program, want: Sequence[Any], path: str) -> torch.Tensor | None:
-    """This rank's block of a DTensor on a stage's sub-mesh (None: not on a stage sub-mesh)."""
+def stage_input(t: Any, program: Program, index: int, want: Sequence[Any], path: str) -> torch.Tensor | None:
+    """This rank's block of input ``index``, a DTensor on a stage's sub-mesh, when this rank's
+    position reads it (an empty block when it does not).
+
+    A value that positions other than its holder read (a weight two stages use: the step
+    returned it on the sub-mesh of the one position that updated it) is broadcast along the
+    pipeline axis from its holder. The decision depends only on the DTensor's mesh and the
+    program, never on the rank, so every rank takes the same path (no rank waits on a
+    collective another one skipped). Raises nothing for a DTensor on another mesh: None."""
+    import torch.distributed as dist
+
     pp = program.pipeline
     assert pp is not None
     mesh, axis = program.mesh, pp.pipeline.axis
@@ -74,17 +83,23 @@ def stage_input(t: Any, program: Program, want: Sequence[Any], path: str) -> tor
     s = on_stage_mesh(t, meshes)
     if s is None:
         return None
-    q = mesh.axis_index(mesh.rank, axis)
-    if s != q:
-        raise fail(
-            f"{path} is a DTensor on pipeline stage position {s}'s sub-mesh, but position {q} reads it.",
-            "pass each value back as the step returned it (same tree position).",
-        )
+    coords = mesh.coords(mesh.rank)
+    at = [mesh.rank_of({**coords, axis: q}) for q in range(len(meshes))]
+    readers = {q for q in range(len(meshes)) if index in pp.per_rank[at[q]].reads}
+    q = coords[axis]
     sub = sub_placements(want, mesh, axis)
-    if tuple(t.placements) != sub:
-        t = t.redistribute(meshes[q], list(sub))
-    out: torch.Tensor = t.to_local()
-    return out
+    if q == s and tuple(t.placements) != sub:
+        t = t.redistribute(meshes[s], list(sub))
+    if readers <= {s}:  # read where it lives (or nowhere)
+        return t.to_local() if q in readers else torch.empty(0, dtype=t.dtype)
+    if q == s:
+        block = t.to_local().contiguous()
+    else:  # this rank's block under the wanted layout: the pipeline axis's entry is Replicate
+        where = tuple(device_slices(t.shape, mesh, program.in_specs[index], mesh.rank))
+        shape = torch.empty(t.shape, device="meta")[where].shape
+        block = torch.empty(shape, dtype=t.dtype)
+    dist.broadcast(block, src=at[s], group=mesh.device_mesh.get_group(axis))
+    return block if q in readers else torch.empty(0, dtype=t.dtype)
 
 
 def stage_results(
