@@ -23,6 +23,7 @@ from compiler.propagate import CONSTRAIN, Propagation, shape
 from compiler.reshard import Step, plan
 from compiler.sharding import Sharding
 from compiler.sources import source_of
+from compiler.trace import is_addmm_add
 from shardspec.layout import local_shape
 from shardspec.mesh import Mesh
 
@@ -211,8 +212,10 @@ class _Partitioner:
         inside the matrix product, as a linear layer runs eagerly. Only where the product reaches the
         add as it is (no collective between, so a split contraction was reduced first or the add is
         part of the pending sum) and nothing else reads it; trace.py writes addmm as mm + add so
-        propagation can keep a split contraction's sum pending without the bias."""
-        if node.target is not aten.add.Tensor or node.kwargs or len(args) != 2:
+        propagation can keep a split contraction's sum pending without the bias. Only adds trace.py
+        marked as an addmm's (``is_addmm_add``): a hand-written ``x @ w + b`` stays mm then add,
+        rounded twice as in eager."""
+        if node.target is not aten.add.Tensor or node.kwargs or len(args) != 2 or not is_addmm_add(node):
             return None
         product, bias = node.args[0], node.args[1]
         local_product = args[0]

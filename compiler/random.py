@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from compiler.sources import user_frame
+from shardspec.errors import fail
 from shardspec.random import DEFAULT_SEED
 
 _M32 = 2**32
@@ -115,14 +117,49 @@ def normal(shape: Sequence[int], stream: _Stream, dtype: torch.dtype, device: to
     return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * torch.pi * u2)).to(dtype)
 
 
-def dropout(x: torch.Tensor, p: float, stream: _Stream, per_channel: bool = False) -> torch.Tensor:
-    """Zero each element (or each (batch, channel) map) with probability ``p``; scale the rest by
-    1 / (1 - p), as F.dropout does."""
+def channel_shape(name: str, shape: Sequence[int]) -> list[int]:
+    """The mask shape of channel-wise dropout, by torch's rules: dropout1d takes (C, L) and
+    dropout3d any input but 5-D as unbatched (one mask value per channel, dim 0); dropout2d and the
+    batched forms take (N, C, ...) (one value per (sample, channel))."""
+    dim = len(shape)
+    if name == "dropout1d" and dim not in (2, 3):
+        raise fail(
+            f"dropout1d at {user_frame()} on a {dim}-D input of shape {tuple(shape)}: dropout1d takes "
+            "2-D (C, L) or 3-D (N, C, L) inputs.",
+            "reshape the input to (N, C, L) or (C, L), or use F.dropout for element-wise dropout.",
+        )
+    unbatched = (name == "dropout1d" and dim == 2) or (name == "dropout3d" and dim != 5)
+    if unbatched and dim >= 1:
+        return [shape[0]] + [1] * (dim - 1)
+    if dim < 2:
+        raise fail(
+            f"{name} at {user_frame()} on a {dim}-D input of shape {tuple(shape)}: channel-wise "
+            "dropout needs a channel dim (torch: feature dropout requires at least 2 dimensions).",
+            "use F.dropout for element-wise dropout, or give the input (N, C, ...) dims.",
+        )
+    return list(shape[:2]) + [1] * (dim - 2)
+
+
+def dropout(
+    x: torch.Tensor, p: float, stream: _Stream, mask_shape: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Zero each element (or each channel: one mask value per element of ``mask_shape``) with
+    probability ``p``; scale the rest by 1 / (1 - p), as F.dropout does."""
     if p >= 1:
         return x * 0.0
-    shape = list(x.shape[:2]) + [1] * (x.dim() - 2) if per_channel else list(x.shape)
+    shape = list(x.shape) if mask_shape is None else list(mask_shape)
     keep = uniform(shape, stream.next_seed(x.device), torch.float32, x.device) >= p
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def _check_p(name: str, p: float) -> None:
+    """torch refuses a dropout probability outside [0, 1] (ValueError); so does the rewrite,
+    instead of scaling by 1 / (1 - p) < 1 or zeroing everything."""
+    if not 0.0 <= p <= 1.0:
+        raise fail(
+            f"{name}(p={p}) at {user_frame()}: dropout probability has to be between 0 and 1, but got {p}.",
+            "pass p in [0, 1] (the probability of zeroing an element).",
+        )
 
 
 def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
@@ -150,10 +187,18 @@ def rewrite(owner: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
         stream = owner.__dict__.setdefault("_shardspec_stream", _Stream(None))
     if func in _DROPOUT:
         x = args[0]
+        name = getattr(func, "__name__", "dropout")
         p = float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _arg(args, kwargs, 2, "training" if func is not torch.dropout else "train", True) or p == 0:
+        _check_p(name, p)
+        train = _arg(args, kwargs, 2, "training" if func is not torch.dropout else "train", True)
+        per_channel = func is not F.dropout and func is not torch.dropout
+        mask_shape = channel_shape(name, list(x.shape)) if per_channel else None
+        if not train or p == 0:
             return x
-        return dropout(x, p, stream, per_channel=func is not F.dropout and func is not torch.dropout)
+        out = dropout(x, p, stream, mask_shape)
+        # in place (nn.Dropout(inplace=True) used as a statement): write the result into x, which
+        # the trace's functionalization turns into a functional update of x
+        return x.copy_(out) if _arg(args, kwargs, 3, "inplace", False) else out
     if func in (torch.rand_like, torch.randn_like):
         like = args[0]
         shape, dtype, device = list(like.shape), kwargs.get("dtype") or like.dtype, like.device

@@ -48,10 +48,24 @@ def _mean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any
 def _addmm(
     bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
 ) -> torch.Tensor:
-    """addmm as mm + add, so a split contraction dim leaves a pending sum the bias does not join."""
+    """addmm as mm + add, so a split contraction dim leaves a pending sum the bias does not join.
+    The add is marked (``is_addmm_add``) so the per-rank program fuses it back into one addmm, and
+    only it: a hand-written ``x @ w + b`` rounds the product before the add, as eager does."""
     out = torch.mm(a, b)
     out = out * alpha if alpha != 1 else out
-    return out + (bias * beta if beta != 1 else bias)
+    bias = bias * beta if beta != 1 else bias
+    with fxt.annotate({ADDMM_MARK: True}):
+        return out + bias
+
+
+ADDMM_MARK = "shardspec_addmm"
+
+
+def is_addmm_add(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the add of an addmm (or linear) the user called, split by ``_addmm``.
+    The mark lives in ``node.meta["custom"]``, which tracing copies onto the nodes an op becomes
+    (the functionalize replay included)."""
+    return bool(node.meta.get("custom", {}).get(ADDMM_MARK))
 
 
 def _layer_norm_backward(

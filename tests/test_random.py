@@ -144,3 +144,90 @@ def test_dropout_gpt_training_step_equals_unsharded(axes: dict[str, int], strate
     torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
     _, _, other_loss = step(params, state, tokens, targets, shardspec.random.key(12))
     assert abs(float(other_loss - want_loss)) > 1e-4
+
+
+def _inplace_dropout(x: torch.Tensor, key: torch.Tensor) -> dict[str, torch.Tensor]:
+    with shardspec.random.rng(key):
+        h = x * 1.0
+        F.dropout(h, 0.5, training=True, inplace=True)  # the result is not used: h itself changes
+        g = x * 2.0
+        torch.nn.Dropout(0.5, inplace=True)(g)
+        return {"functional": h, "module": g}
+
+
+def test_inplace_dropout_modifies_its_input_as_torch_does() -> None:
+    """In-place dropout used as a statement drops from its input (eager torch does), in a step and
+    in an eager run under rng, with the mask out-of-place dropout draws at the same position."""
+    x, key = torch.ones(8, 8), shardspec.random.key(1)
+    torch.manual_seed(0)
+    h = x * 1.0
+    F.dropout(h, 0.5, True, True)
+    assert int((h == 0).sum()) > 0  # what the property is about: torch drops in place
+    eager = _inplace_dropout(x, key)
+    with shardspec.random.rng(key):
+        out_of_place = {"functional": F.dropout(x * 1.0, 0.5), "module": torch.nn.Dropout(0.5)(x * 2.0)}
+    step = sharded(
+        _inplace_dropout, mesh=Mesh({"a": 2}, simulate=True), in_specs=(P("a"), P()), out_specs=P()
+    )
+    got = step(x, key)
+    for name in eager:
+        assert int((eager[name] == 0).sum()) > 0, name
+        assert torch.equal(eager[name], out_of_place[name]), name
+        assert torch.equal(got[name], eager[name]), name
+
+
+def _shared_dims(y: torch.Tensor) -> list[int]:
+    """The dims along which dropout's result on a tensor of ones never varies (mask dims of size 1)."""
+    return [d for d in range(y.dim()) if bool((y == y.narrow(d, 0, 1)).all())]
+
+
+CHANNEL_CASES = [
+    (F.dropout1d, (16, 5)),  # unbatched (C, L): one mask value per channel
+    (F.dropout1d, (3, 16, 5)),
+    (F.dropout2d, (3, 16, 5)),  # torch reads 3-D as (N, C, L)
+    (F.dropout2d, (3, 16, 2, 2)),
+    (F.dropout3d, (16, 3, 2, 2)),  # unbatched (C, D, H, W)
+    (F.dropout3d, (3, 16, 2, 2, 2)),
+]
+
+
+@pytest.mark.filterwarnings("ignore:dropout2d")
+@pytest.mark.parametrize(("fn", "shape"), CHANNEL_CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+def test_channel_dropout_shares_a_mask_over_the_dims_torch_does(fn: object, shape: tuple[int, ...]) -> None:
+    assert callable(fn)
+    x, key = torch.ones(shape), shardspec.random.key(3)
+    torch.manual_seed(0)
+    want = _shared_dims(fn(x, 0.5))
+
+    def step(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        with shardspec.random.rng(key):
+            return fn(x, 0.5)
+
+    got = sharded(step, mesh=Mesh({"a": 2}, simulate=True), in_specs=(P(None, "a"), P()), out_specs=P())(
+        x, key
+    )
+    assert _shared_dims(got) == want
+    assert torch.equal(got, step(x, key))
+
+
+@pytest.mark.parametrize("p", [-0.25, 1.5])
+@pytest.mark.parametrize("fn", [F.dropout, F.dropout1d, F.dropout2d], ids=lambda f: f.__name__)
+@pytest.mark.filterwarnings("ignore:dropout2d")
+def test_dropout_probability_outside_0_1_is_refused_as_torch_does(fn: object, p: float) -> None:
+    """torch raises ValueError for p outside [0, 1]; so does the rewrite (not a silent rescale)."""
+    assert callable(fn)
+
+    def drop(x: torch.Tensor) -> torch.Tensor:
+        return fn(x, p)  # type: ignore[no-any-return]
+
+    x = torch.ones(4, 4)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        drop(x)  # torch itself
+    with (
+        pytest.raises(ValueError, match=rf"p={p}\) at .*test_random.py:\d+.*between 0 and 1"),
+        shardspec.random.rng(0),
+    ):
+        drop(x)
+    step = sharded(drop, mesh=Mesh({"a": 2}, simulate=True), in_specs=(P("a"),), out_specs=P())
+    with pytest.raises(shardspec.ShardingError, match=rf"p={p}\) at .*test_random.py:\d+.*between 0 and 1"):
+        step(x)
