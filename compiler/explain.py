@@ -153,11 +153,11 @@ def _numel(n: Node) -> int:
     return int(v.numel()) if isinstance(v, torch.Tensor) else -1
 
 
-def describe(lowered: Lowered) -> list[Item]:
+def describe(lowered: Lowered, launches: Sequence[Sequence[Inserted]] | None = None) -> list[Item]:
     """Every tensor moved, launch by launch, named and filed in the user's words."""
     namer = _Namer(lowered)
     items = []
-    for i, launch in enumerate(lowered.launches(), 1):
+    for i, launch in enumerate(lowered.launches() if launches is None else launches, 1):
         for c in launch:
             items.append(_item(namer, c, i))
     return items
@@ -169,6 +169,8 @@ def _item(namer: _Namer, c: Inserted, launch: int) -> Item:
     over = ",".join(c.axes)
     line = c.source
     again = " again for backward" if REGATHER in c.node or REMAT in c.node else ""
+    if c.kind == "send":  # a pipeline send: the activation (or its gradient) crossing a boundary
+        return Item(c.kind, c.axes, line, c.reason.split(" sent")[0], c.reason, c.shape, c.dtype, launch)
     if value is None:  # a record without structure: keep the compiler's own words
         return Item(c.kind, c.axes, line, "a value", c.reason, c.shape, c.dtype, launch)
     src = source_of(value)
@@ -225,13 +227,26 @@ def explain(lowered: Lowered, summary: bool = False) -> str:
     program = lowered.program
     mesh = program.mesh
     launches = lowered.launches()
+    pp = program.pipeline
+    if pp is not None:  # every position's sends (rank 0's program launches only its own)
+        from compiler.pipeline.report import p2p_launches
+
+        launches = [ln for ln in launches if ln[0].kind != "send"]
+        launches += [ln for q in range(pp.positions) for ln in p2p_launches(program, q)]
     sizes = [launch_bytes(launch, mesh.axis_size(launch[0].axes)) for launch in launches]
-    items = describe(lowered)
+    items = describe(lowered, launches)
     cost = lowered.cost()
+    count, tensors, sent_total = len(launches), len(items), sum(sizes)
+    if pp is not None:  # per rank: the busiest position's sends, as cost() counts them
+        busiest = [ln for ln in lowered.launches() if ln[0].kind != "send"]
+        count = cost.collective_count
+        tensors = sum(len(ln) for ln in busiest) + count - len(busiest)
+        sent_total = cost.comm_bytes_per_rank
     lines = [
-        f"{mesh.describe()} ({mesh.size} devices): {len(launches)} collective launch(es) moving "
-        f"{len(items)} tensor(s), {human_bytes(sum(sizes))} sent per rank, peak memory "
+        f"{mesh.describe()} ({mesh.size} devices): {count} collective launch(es) moving "
+        f"{tensors} tensor(s), {human_bytes(sent_total)} sent per rank, peak memory "
         f"{human_bytes(cost.peak_memory_bytes_per_rank)} per rank"
+        + (" (the busiest pipeline position; every position's sends are listed)" if pp is not None else "")
     ]
     if not items:
         lines.append("no communication: every op runs on the blocks each device already holds")
@@ -273,10 +288,11 @@ def explain(lowered: Lowered, summary: bool = False) -> str:
     if totals:
         lines.append("")
         lines.append("totals by kind and axes:")
-        for (kind, axes), (count, tensors, b) in totals.items():
+        for (kind, axes), (n, k, b) in totals.items():
+            where = "in one pipeline group (all positions)" if kind == "send" else "per rank"
             lines.append(
-                f"  {kind} over {','.join(axes)}: {count:.0f} launch(es), {tensors:.0f} tensor(s), "
-                f"{human_bytes(b)} per rank"
+                f"  {kind} over {','.join(axes)}: {n:.0f} launch(es), {k:.0f} tensor(s), "
+                f"{human_bytes(b)} {where}"
             )
     for note in program.prop.notes:
         lines.append(f"note: {note}")

@@ -123,7 +123,13 @@ class Lowered:
                 if members:
                     out.append(members)
         seen = {c.node.split(CAST)[0] for launch in out for c in launch}
-        return out + [[c] for c in self.program.inserted if c.node not in seen]
+        out += [[c] for c in self.program.inserted if c.node not in seen]
+        if self.program.pipeline is not None:  # then the sends of the rank's pipeline position
+            from compiler.pipeline.report import p2p_launches
+
+            axis = self.program.pipeline.pipeline.axis
+            out += p2p_launches(self.program, self.program.mesh.axis_index(rank, axis))
+        return out
 
     def cost(self) -> Cost:
         """What one call costs per rank: bytes sent (by the ring formulas, per launch), launches,
@@ -134,16 +140,14 @@ class Lowered:
         """
         by_kind: dict[str, float] = {}
         total = 0.0
-        launches = self.launches()
-        for launch in launches:
+        from compiler.pipeline.report import p2p_launches, p2p_seconds
+
+        sends = p2p_launches(self.program)  # a pipeline's: the busiest position's
+        launches = [ln for ln in self.launches() if ln[0].kind != "send"]
+        for launch in launches + sends:
             sent = self._launch_bytes(launch)
             by_kind[launch[0].kind] = by_kind.get(launch[0].kind, 0.0) + sent
             total += sent
-        if self.program.pipeline is not None:  # sends of the busiest pipeline position
-            from compiler.pipeline.report import busiest_p2p_bytes
-
-            by_kind["send"] = busiest_p2p_bytes(self.program)
-            total += by_kind["send"]
         peak = self.peak_memory()
         carried, grads, compute = model_state(self.program)
         acts = self.activation_peak()
@@ -152,9 +156,10 @@ class Lowered:
         comm_s, compute_s = modeled_seconds(
             self.program, ((ln[0].kind, ln[0].axes, self._launch_bytes(ln)) for ln in launches)
         )
+        comm_s += p2p_seconds(self.program, sends)
         return Cost(
             total,
-            len(launches),
+            len(launches) + len(sends),
             peak,
             by_kind,
             model_state_bytes_per_rank=carried + grads + compute,

@@ -13,6 +13,7 @@ from benchmarks import pipeline_model as pm
 from collectives.accounting import count_bytes
 from compiler.pipeline.boundary import BOUNDARY
 from compiler.pipeline.timeline import recording
+from compiler.plan.report import modeled_seconds
 from shardspec import Mesh, P, Pipeline, ShardingError, local_shape, optim, sharded
 
 OPT = optim.adamw(lr=1e-2, weight_decay=0.1)
@@ -257,3 +258,61 @@ def test_error_two_gradient_calls_in_one_pipelined_step():
         ShardingError, match=r"(?s)calls shardspec.value_and_grad 2 times.*Fix: .*one value_and_grad"
     ):
         _run_error(step, {"pp": 2}, Pipeline("pp", "1f1b"))
+
+
+def test_explain_and_cost_count_the_sends():
+    """explain(), cost() and launches() see the P2P sends: the busiest position's launches, bytes
+    and modeled time; every send names the user's pipeline_boundary line."""
+    params, state, x, y, step = _setup(layers=4)
+    shape = {"pp": 4, "dp": 2}
+    lowered = _compiled(step, params, shape, Pipeline("pp", "1f1b")).lower(params, state, x, y)
+    mesh = Mesh(shape, simulate=True)
+    p2p = lowered.program.pipeline.per_rank[0].p2p
+    sends = [[t for t in p2p if t.src == q] for q in range(4)]
+    busiest = max(range(4), key=lambda q: sum(t.bytes for t in sends[q]))
+    others = [ln for ln in lowered.launches(0) if ln[0].kind != "send"]
+    cost = lowered.cost()
+    assert cost.collective_count == len(others) + len(sends[busiest])
+    assert cost.bytes_by_kind["send"] == sum(t.bytes for t in sends[busiest])
+    without_sends, _ = modeled_seconds(
+        lowered.program, ((ln[0].kind, ln[0].axes, lowered._launch_bytes(ln)) for ln in others)
+    )
+    assert cost.modeled_comm_s > without_sends  # the sends take modeled time too
+    for q in range(4):
+        rank = mesh.rank_of({"pp": q, "dp": 0})
+        mine = [ln[0] for ln in lowered.launches(rank) if ln[0].kind == "send"]
+        assert len(mine) == len(sends[q]) and all(c.axes == ("pp",) for c in mine)
+    records = [c for c in lowered.collectives() if c.kind == "send"]
+    assert records and all("pipeline_boundary" in c.source for c in records)
+    text = lowered.explain()
+    assert "no communication" not in text
+    assert f"{cost.collective_count} collective launch(es)" in text.splitlines()[0]
+    assert re.search(rf"send over pp: {len(p2p)} launch\(es\)", text)
+    assert "pipeline_boundary" in text
+
+
+def test_error_boundary_outside_value_and_grad_names_that_boundary():
+    def step(params, x, y):
+        x = shardspec.pipeline_boundary(x)  # misplaced: in the step, not in the loss
+        return _step_with(2)(params, x, y)
+
+    line = step.__code__.co_firstlineno + 1
+    with pytest.raises(
+        ShardingError, match=rf"(?s)pipeline_boundary at \S*test_pipeline.py:{line}:.*outside"
+    ) as e:
+        _run_error(step, {"pp": 2}, Pipeline("pp", "1f1b"))
+    assert "microbatches=2" in str(e.value) and "Fix: move that pipeline_boundary" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("pp", "v", "fix"),
+    [
+        (4, 2, r"lower virtual_stages from 2 to 1 with a non-interleaved schedule"),
+        (2, 4, r"virtual_stages=2\)"),
+    ],
+)
+def test_error_too_few_boundaries_interleaved_suggests_fewer_virtual_stages(pp, v, fix):
+    """3 boundaries make 4 stages: pp=4 x v=2 needs 8 (no interleaving fits), pp=2 x v=4 needs 8
+    (v=2 fits)."""
+    with pytest.raises(ShardingError, match=rf"(?s)needs {pp * v} stages.*3 pipeline_boundary.*Fix:.*{fix}"):
+        _run_error(_step_with(4), {"pp": pp}, Pipeline("pp", "interleaved", v), layers=4)

@@ -63,6 +63,23 @@ def microbatches_of(module: GraphModule) -> int:
     return 1 + max(seen, default=-1)
 
 
+def _boundaries_inside(module: GraphModule, m: int) -> None:
+    """Every pipeline_boundary runs inside the microbatched loss (a boundary elsewhere, on the
+    batch in the step, cuts nothing the schedule runs and would shift the others' numbers)."""
+    from compiler.grad import MICROBATCH
+    from compiler.sources import source_of
+
+    for n in module.graph.nodes:
+        if n.target is BOUNDARY and int((n.meta.get("custom") or {}).get(MICROBATCH, -1)) < 0:
+            raise fail(
+                f"pipeline_boundary at {source_of(n) or n.name} runs outside "
+                f"value_and_grad(loss_fn, microbatches={m}): a pipeline cuts only the loss function "
+                "the microbatches run.",
+                "move that pipeline_boundary into the loss function, between two groups of layers "
+                "(or remove it); the step's other code runs outside the stages.",
+            )
+
+
 def plan_pipeline(
     pipeline: Pipeline,
     mesh: Mesh,
@@ -80,7 +97,8 @@ def plan_pipeline(
             "compute loss and gradients with "
             "shardspec.value_and_grad(loss_fn, microbatches=m)(params, batch).",
         )
-    stages = assign(traced_module, p * pipeline.virtual_stages, m)
+    _boundaries_inside(traced_module, m)
+    stages = assign(traced_module, p * pipeline.virtual_stages, m, pipeline.virtual_stages)
     lists = schedule(pipeline.schedule, p, m, pipeline.virtual_stages)
     check_schedule(lists, p, m)
     key = mesh_key(mesh)

@@ -7,11 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from compiler.pipeline.boundary import BOUNDARY
 from compiler.pipeline.check import Op, Timing, peak_in_flight, simulate
 from compiler.pipeline.schedules import Lists
 
 if TYPE_CHECKING:
     from compiler.lowered import CollectiveInfo
+    from compiler.partition import Inserted
+    from compiler.pipeline.split import P2P
     from compiler.program import Program
 
 _COLORS = {"F": "#4e79a7", "B": "#59a14f", "W": "#f28e2b"}
@@ -32,21 +35,70 @@ def p2p_records(program: Program) -> list[CollectiveInfo]:
             t.dtype,
             float(t.bytes),
             f"{t.value} made by {t.producer} on position {t.src} is read by {t.consumer} on position {t.dst}",
-            "",
+            p2p_line(program, t),
         )
         for t in pp.per_rank[0].p2p
     ]
 
 
-def busiest_p2p_bytes(program: Program) -> float:
-    """Bytes the busiest pipeline position sends in a step."""
+def p2p_line(program: Program, t: P2P) -> str:
+    """The user line of the pipeline_boundary a sent value crosses (forward: the boundary reading
+    it; backward: the boundary whose gradient it is), else the line that computed it."""
+    from compiler.sources import source_of
+
+    nodes = {n.name: n for n in program.traced.module.graph.nodes}
+    n = nodes.get(t.origin)
+    if n is None:
+        return ""
+    for u in (n, *n.users):
+        if u.target is BOUNDARY and source_of(u):
+            return source_of(u)
+    return source_of(n)
+
+
+def p2p_launches(program: Program, position: int | None = None) -> list[list[Inserted]]:
+    """The sends of one pipeline position (``None``: the busiest) as one-tensor launches, the way
+    ``Lowered.launches()`` lists collectives."""
+    from compiler.partition import Inserted
+
     pp = program.pipeline
     if pp is None:
+        return []
+    if position is None:
+        sent = [0.0] * pp.positions
+        for t in pp.per_rank[0].p2p:
+            sent[t.src] += t.bytes
+        position = max(range(pp.positions), key=lambda q: sent[q])
+    return [
+        [
+            Inserted(
+                "send",
+                (pp.pipeline.axis,),
+                t.shape,
+                t.dtype,
+                float(t.bytes),
+                f"activation{' gradient' if t.dst < t.src else ''} sent from position {t.src} to "
+                f"position {t.dst} ({t.producer} -> {t.consumer})",
+                p2p_line(program, t),
+                f"p2p:{t.value}:{t.dst}",
+            )
+        ]
+        for t in pp.per_rank[0].p2p
+        if t.src == position
+    ]
+
+
+def p2p_seconds(program: Program, launches: list[list[Inserted]]) -> float:
+    """Modeled seconds of the sends: one latency plus bytes over the axis's bandwidth each."""
+    from compiler.plan.costmodel import CostModel
+
+    pp = program.pipeline
+    if pp is None or pp.positions <= 1:
         return 0.0
-    sent = [0.0] * pp.positions
-    for t in pp.per_rank[0].p2p:
-        sent[t.src] += t.bytes
-    return max(sent)
+    model = program.cost_model if isinstance(program.cost_model, CostModel) else CostModel()
+    axes = (pp.pipeline.axis,)
+    lat, bw = model.axis_latency(axes), model.axis_bandwidth(axes)
+    return sum(lat + launch[0].bytes_per_rank / bw for launch in launches)
 
 
 def stage_lines(program: Program) -> list[str]:

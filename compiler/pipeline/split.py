@@ -42,6 +42,7 @@ class P2P:
     bytes: int
     producer: str
     consumer: str
+    origin: str = ""  # the global graph's node of the value (reports name its user line)
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,7 @@ def _emit(
             by_name[t.item[0]].meta["val"].numel() * by_name[t.item[0]].meta["val"].element_size(),  # type: ignore[index]
             key_str(t.producer),
             key_str(t.consumer),
+            str(by_name[t.item[0]].meta.get("shardspec_origin", "")),  # type: ignore[index]
         )
         for t in moves
     )

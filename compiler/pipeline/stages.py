@@ -153,9 +153,19 @@ def linear_partition(costs: Sequence[float], parts: int) -> list[int]:
     return sorted(starts)[1:]
 
 
-def assign(module: GraphModule, stages: int, microbatches: int) -> StagePlan:
+def _fewer_virtual(stages: int, virtual: int, ncuts: int) -> str:
+    """The interleaved schedule's other way out: fewer virtual stages per position."""
+    if virtual <= 1:
+        return ""
+    fits = (ncuts + 1) // (stages // virtual)
+    if fits >= 2:
+        return f", or lower virtual_stages from {virtual} to {fits} (Pipeline(..., virtual_stages={fits}))"
+    return f", or lower virtual_stages from {virtual} to 1 with a non-interleaved schedule ('1f1b')"
+
+
+def assign(module: GraphModule, stages: int, microbatches: int, virtual: int = 1) -> StagePlan:
     """Label every traced node with (stage, microbatch, kind), or explain why the cuts cannot make
-    ``stages`` stages."""
+    ``stages`` stages (``virtual`` stages per position: the interleaved schedule's)."""
     calls = {(n.meta.get("custom") or {}).get(CALL) for n in module.graph.nodes} - {None}
     if len(calls) > 1:
         raise fail(
@@ -170,7 +180,7 @@ def assign(module: GraphModule, stages: int, microbatches: int) -> StagePlan:
             f"the pipeline needs {stages} stages but the step has {ncuts} pipeline_boundary call(s) per "
             f"microbatch, which cut it into {ncuts + 1}.",
             f"call shardspec.pipeline_boundary(x) at least {stages - 1} times in the model's forward "
-            "(between layers), or use a smaller pipeline axis.",
+            "(between layers), or use a smaller pipeline axis" + _fewer_virtual(stages, virtual, ncuts) + ".",
         )
     cost = [0.0] * (ncuts + 1)
     for n, s in seg.items():
