@@ -192,9 +192,11 @@ def rewrite(owner: Any, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) 
         _check_p(name, p)
         train = _arg(args, kwargs, 2, "training" if func is not torch.dropout else "train", True)
         per_channel = func is not F.dropout and func is not torch.dropout
-        mask_shape = channel_shape(name, list(x.shape)) if per_channel else None
+        if func is F.dropout1d:  # torch checks dropout1d's rank even when nothing is dropped
+            channel_shape(name, list(x.shape))
         if not train or p == 0:
             return x
+        mask_shape = channel_shape(name, list(x.shape)) if per_channel else None
         out = dropout(x, p, stream, mask_shape)
         # in place (nn.Dropout(inplace=True) used as a statement): write the result into x, which
         # the trace's functionalization turns into a functional update of x

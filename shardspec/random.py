@@ -5,6 +5,8 @@ Inside ``@sharded`` (and in an eager run inside ``rng(key)``), ``F.dropout`` (``
 counter-based: an element's value is a function of the key, the op's position in the step (trace
 order) and the element's index in the *global* tensor, never of which device holds it. So a sharded
 step with dropout drops exactly the elements the unsharded step drops, on every mesh.
+As in torch, ``inplace=True`` updates its input, dropout1d/3d on an unbatched input ((C, L),
+(C, D, H, W)) draw one mask value per channel, and p outside [0, 1] is a ValueError.
 
 The key is an explicit input, JAX-style: make one with ``key(seed)``, derive one per step with
 ``fold_in(key, step)``, pass it to the step like any tensor (spec ``P()``) and draw under

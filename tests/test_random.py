@@ -231,3 +231,14 @@ def test_dropout_probability_outside_0_1_is_refused_as_torch_does(fn: object, p:
     step = sharded(drop, mesh=Mesh({"a": 2}, simulate=True), in_specs=(P("a"),), out_specs=P())
     with pytest.raises(shardspec.ShardingError, match=rf"p={p}\) at .*test_random.py:\d+.*between 0 and 1"):
         step(x)
+
+
+def test_dropout1d_on_an_input_torch_refuses_is_an_error_naming_the_shape() -> None:
+    """torch's dropout1d takes 2-D or 3-D inputs only (even in eval mode); the rewrite says so
+    instead of picking a mask shape torch would never use."""
+    x = torch.ones(2, 3, 4, 5)
+    with pytest.raises(RuntimeError, match="dropout1d"):
+        F.dropout1d(x, 0.5, training=False)
+    step = sharded(lambda x: F.dropout1d(x, 0.5, training=False), mesh=ONE, in_specs=(P(),), out_specs=P())
+    with pytest.raises(shardspec.ShardingError, match=r"dropout1d at .*test_random.py:\d+.*\(2, 3, 4, 5\)"):
+        step(x)
