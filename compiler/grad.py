@@ -19,22 +19,39 @@ _CALLS = itertools.count()
 
 
 def value_and_grad(
-    fn: Callable[..., torch.Tensor], argnums: int | Sequence[int] = 0, *, microbatches: int | None = None
+    fn: Callable[..., torch.Tensor],
+    argnums: int | Sequence[int] = 0,
+    *,
+    microbatches: int | None = None,
+    batch_argnums: int | Sequence[int] | None = None,
 ) -> Callable[..., tuple[torch.Tensor, Any]]:
     """``(loss, grads)`` of a scalar ``fn`` with respect to argument(s) ``argnums``.
 
-    With ``microbatches=m`` every tensor argument not differentiated is split into ``m`` chunks along
-    dim 0, chunk k holding rows k, k + m, k + 2m, ... (so a batch split over data-parallel devices
-    splits every chunk the same way and no rows move), and the loss and gradients are the mean over
-    chunks (gradient accumulation: the chunks' gradients add up as pending sums and are reduced once
-    per step). Each chunk's forward and
-    backward nodes are labelled with its index (``meta["custom"]["shardspec_microbatch"]``), which
-    the pipeline schedules by; the accumulation is unlabelled (it runs after the chunks). Example::
+    With ``microbatches=m`` the batch arguments are split into ``m`` chunks along dim 0, chunk k
+    holding rows k, k + m, k + 2m, ... (so a batch split over data-parallel devices splits every
+    chunk the same way and no rows move), and the loss and gradients are the mean over chunks
+    (gradient accumulation: the chunks' gradients add up as pending sums and are reduced once per
+    step). The batch arguments are ``batch_argnums``; by default (``None``) every argument not
+    differentiated, so an argument meant for every example (a mask, a table) must be left out by
+    naming the batches: ``batch_argnums=(1, 2)``. Arguments outside it go whole to every chunk.
+    Each chunk's forward and backward nodes are labelled with its index
+    (``meta["custom"]["shardspec_microbatch"]``), which the pipeline schedules by; the
+    accumulation is unlabelled (it runs after the chunks). Example::
 
         loss, grads = shardspec.value_and_grad(loss_fn)(params, x, y)  # grads: like params
         loss, grads = shardspec.value_and_grad(loss_fn, microbatches=4)(params, x, y)
+        loss, grads = shardspec.value_and_grad(loss_fn, microbatches=4, batch_argnums=(1, 2))(
+            params, x, y, mask
+        )  # mask: the same for every chunk
     """
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    batches = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    if batches is not None and set(batches) & set(nums):
+        raise fail(
+            f"value_and_grad(argnums={argnums!r}, batch_argnums={batch_argnums!r}): argument(s) "
+            f"{sorted(set(batches) & set(nums))} are both differentiated and split into microbatches.",
+            "list in batch_argnums only the batch arguments (inputs, labels), not the parameters.",
+        )
     grad_fn = torch.func.grad_and_value(fn, argnums=argnums if isinstance(argnums, int) else nums)
 
     def run(*args: Any) -> tuple[torch.Tensor, Any]:
@@ -47,10 +64,16 @@ def value_and_grad(
                 f"value_and_grad(microbatches={microbatches!r}) must be a positive int.",
                 "pass the number of chunks to split the batch into.",
             )
+        if batches is not None and (bad := [b for b in batches if not 0 <= b < len(args)]):
+            raise fail(
+                f"value_and_grad(batch_argnums={batch_argnums!r}) names argument(s) {bad}, but the "
+                f"function was called with {len(args)} argument(s).",
+                f"name positions 0 to {len(args) - 1} (the batch arguments).",
+            )
         chunks = []
         for i, a in enumerate(args):
-            if i in nums:
-                chunks.append([a] * microbatches)
+            if i in nums or (batches is not None and i not in batches):
+                chunks.append([a] * microbatches)  # differentiated, or the same for every example
                 continue
             chunks.append(_split(a, microbatches, i))
         total_loss, total_grads = None, None

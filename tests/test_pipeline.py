@@ -316,3 +316,33 @@ def test_error_too_few_boundaries_interleaved_suggests_fewer_virtual_stages(pp, 
     (v=2 fits)."""
     with pytest.raises(ShardingError, match=rf"(?s)needs {pp * v} stages.*3 pipeline_boundary.*Fix:.*{fix}"):
         _run_error(_step_with(4), {"pp": pp}, Pipeline("pp", "interleaved", v), layers=4)
+
+
+def _masked_loss(p, x, mask):  # x: (B, 4) a batch; mask: (4, 4) the same for every example
+    h = shardspec.pipeline_boundary(torch.tanh(x @ (p["w0"] * mask.mean(0))))
+    return ((h @ p["w1"]) ** 2).mean()
+
+
+def test_batch_argnums_keeps_a_non_batch_argument_whole():
+    """With batch_argnums naming only the batch, microbatches (eager and pipelined on pp=2) give the
+    loss and gradients of one whole-batch call; by default the (4, 4) mask is split too."""
+    g = torch.Generator().manual_seed(0)
+    p = {"w0": torch.randn(4, 4, generator=g), "w1": torch.randn(4, 2, generator=g)}
+    x, mask = torch.randn(8, 4, generator=g), torch.tril(torch.ones(4, 4))
+    want = shardspec.value_and_grad(_masked_loss)(p, x, mask)
+    whole = shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=1)
+    _close(whole(p, x, mask), want)
+    split = shardspec.value_and_grad(_masked_loss, microbatches=2)(p, x, mask)  # today's default
+    assert not torch.allclose(split[0], want[0])
+    run = sharded(
+        whole,
+        mesh=Mesh({"pp": 2}, simulate=True),
+        in_specs=(P(), P(), P()),
+        out_specs=P(),
+        pipeline=Pipeline("pp", "1f1b"),
+    )
+    _close(run(p, x, mask), want)
+    with pytest.raises(ShardingError, match=r"argument\(s\) \[0\] are both differentiated"):
+        shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=(0, 1))
+    with pytest.raises(ShardingError, match=r"names argument\(s\) \[5\].*called with 3"):
+        shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=5)(p, x, mask)
