@@ -318,13 +318,14 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
             and (block := stage_input(t, program, i, want, path)) is not None
         ):
             local.append(block)  # a DTensor on a stage's sub-mesh, as the step returned it
-        elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
-            local.append(torch.empty(0, dtype=t.dtype))
-        elif isinstance(t, DTensor):
+        elif isinstance(t, DTensor):  # checked and moved on every rank alike, read or not
             inputs.check_dtensor_mesh(t, mesh, path)
             if tuple(t.placements) != want:
                 t = t.redistribute(mesh.device_mesh, list(want))
-            local.append(t.to_local())
+            held = reads is None or i in reads  # else another pipeline stage's value
+            local.append(t.to_local() if held else torch.empty(0, dtype=t.dtype))
+        elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
+            local.append(torch.empty(0, dtype=t.dtype))
         else:
             local.append(t[where].contiguous())
     with torch.no_grad():

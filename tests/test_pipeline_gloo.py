@@ -137,7 +137,10 @@ def _tied_setup():
 
 
 def _tied_two_steps(rank, world):
-    from shardspec import P, Pipeline, sharded
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from shardspec import P, Pipeline, ShardingError, sharded
 
     opt, step, p, x, y = _tied_setup()
     ps = {"w": P(), "head": P()}
@@ -150,16 +153,29 @@ def _tied_two_steps(rank, world):
     )
     out = run(p, opt.init(p), x, y)
     out = run(out[0], out[1], x, y)  # "w" came back on one stage's sub-mesh; both stages read it
-    return {k: v.to_local().clone() for k, v in out[0].items() if v.to_local().numel()}
+    held = {k: v.to_local().clone() for k, v in out[0].items() if v.to_local().numel()}
+    # a DTensor on another mesh, read by stage 1 only: every rank raises the same error
+    other = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
+    bad = dict(p, head=distribute_tensor(p["head"], other, [Replicate()]))
+    try:
+        run(bad, opt.init(p), x, y)
+        error = ""
+    except ShardingError as e:
+        error = str(e)
+    return held, error
 
 
 def test_weight_read_by_two_stages_goes_into_the_next_step_on_gloo():
     """A weight both stages read (tied embedding/head) returns on the sub-mesh of the stage that
-    updated it; the next step takes it back on every rank and equals one process's two steps."""
+    updated it; the next step takes it back on every rank and equals one process's two steps. A
+    bad input read by one stage only is the same error on every rank (no rank left hanging)."""
     opt, step, p, x, y = _tied_setup()
     want = step(p, opt.init(p), x, y)
     want = step(want[0], want[1], x, y)[0]
-    held = run_distributed(_tied_two_steps, 4, timeout=120)
+    results = run_distributed(_tied_two_steps, 4, timeout=120)
+    held = [r[0] for r in results]
+    errors = {r[1] for r in results}
+    assert len(errors) == 1 and "p['head'] is a DTensor on DeviceMesh" in errors.pop()
     for name in want:
         got = [r[name] for r in held if name in r]
         assert got, f"no rank returned {name}"
