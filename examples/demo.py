@@ -2,11 +2,18 @@
 
 python examples/demo.py                      # dp=2 x tp=4, simulated
 python examples/demo.py --mesh dp=4,tp=2 --steps 5
+python examples/demo.py --mesh dp=2,pp=2,tp=2 --schedule 1f1b --microbatches 4   # + pipeline
 torchrun --nproc-per-node 8 examples/demo.py   # the same on 8 real processes
 
 It prints the mesh, where each parameter lives, every collective the compiler inserted grouped by
 the model line that needs it, one line per training step, and finally checks the sharded result
 against the same steps run unsharded in plain PyTorch.
+
+A ``pp`` axis in ``--mesh`` pipelines the GPT over it: a ``pipeline_boundary`` after each block,
+``--microbatches`` microbatches per step run in the ``--schedule`` order; the demo also prints the
+stages with their balance and each position's action list. The unsharded reference is then the
+same step run eagerly, where the boundaries do nothing and the microbatches are gradient
+accumulation.
 """
 
 from __future__ import annotations
@@ -18,19 +25,54 @@ import time
 if __package__ in (None, ""):  # `python examples/demo.py` as well as `python -m examples.demo`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
+from typing import Any
 
+import torch
+import torch.nn.functional as F
+
+import shardspec
 from examples import _cli
 from examples.models import gpt
 from examples.train_gpt import OPT, batch, make_step, strategy_specs
-from shardspec import P, sharded
+from shardspec import P, Pipeline, sharded
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+
+
+def pipelined_loss(
+    p: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor, cfg: gpt.Config
+) -> torch.Tensor:
+    """``gpt.loss_fn`` with a ``pipeline_boundary`` after every block: the cuts the pipeline may
+    take (a no-op without ``pipeline=``, so eagerly this is ``gpt.loss_fn``)."""
+    x = F.embedding(tokens, p["wte"]) + p["wpe"][: tokens.shape[1]]
+    for i in range(cfg.layers):
+        x = shardspec.pipeline_boundary(gpt.block(p, f"h.{i}.", x, cfg.heads))
+    x = F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
+    logits = F.linear(x, p["head.weight"])
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+
+
+def make_pipelined_step(cfg: gpt.Config, microbatches: int) -> Any:
+    """The demo's step with its gradient the mean over ``microbatches`` microbatches."""
+
+    def train_step(params: Any, state: Any, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
+        grad_fn = shardspec.value_and_grad(pipelined_loss, microbatches=microbatches)
+        loss, grads = grad_fn(params, tokens, targets, cfg)
+        params, state = OPT.update(grads, state, params)
+        return params, state, loss
+
+    return train_step
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = _cli.parser(__doc__, "dp=2,tp=4")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (with pp)")
+    ap.add_argument("--microbatches", type=int, default=4, help="microbatches per step (with pp)")
+    ap.add_argument("--virtual-stages", type=int, default=2, help="stages per position (interleaved)")
     args = ap.parse_args(argv)  # unknown flags are an error
+    pp = "pp" in args.mesh
     mesh = _cli.make_mesh(args)
     say = _cli.say_fn(mesh)
     say(_cli.mode_line(mesh))
@@ -43,7 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     sspec = OPT.state_specs(pspec)
     bspec = P("dp") if "dp" in args.mesh else P()
     in_specs, out_specs = (pspec, sspec, bspec, bspec), (pspec, sspec, P())
-    step = sharded(make_step(cfg), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    train_step = make_pipelined_step(cfg, args.microbatches) if pp else make_step(cfg)
+    pipeline = None
+    if pp:
+        v = args.virtual_stages if args.schedule == "interleaved" else 1
+        pipeline = Pipeline("pp", args.schedule, v)
+        say(f"pipeline over pp: schedule {args.schedule}, {args.microbatches} microbatches per step")
+    step = sharded(train_step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, pipeline=pipeline)
     say("parameter shardings (batch split over dp, Megatron-style tensor parallelism over tp):")
     say(_cli.spec_table(params, pspec, mesh))
     say()
@@ -52,15 +100,19 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     lowered = step.lower(params, state, *batch(0, cfg))
     say(f"compiled in {time.perf_counter() - start:.1f} s")
-    say(lowered.explain(summary=True))
+    say(lowered.explain(summary=True))  # with pp: the stages, their costs and the balance last
     say()
+    if pp:
+        say("pipeline schedule (F forward, B backward, W weight gradient: stage.microbatch):")
+        say(lowered.pipeline_schedule().as_text())
+        say()
 
     sharded_params, sharded_state = params, state
     for i in range(args.steps):
         sharded_params, sharded_state, loss = step(sharded_params, sharded_state, *batch(i, cfg))
         say(f"step {i + 1}/{args.steps}: loss {_cli.full(loss).item():.4f}")
 
-    plain = make_step(cfg)  # the same function, run unsharded by PyTorch alone
+    plain = train_step  # the same function, run unsharded by PyTorch alone
     ref_params, ref_state = params, state
     for i in range(args.steps):
         ref_params, ref_state, ref_loss = plain(ref_params, ref_state, *batch(i, cfg))

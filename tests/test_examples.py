@@ -50,6 +50,21 @@ def test_demo_shows_mesh_specs_plan_steps_and_confirms_equivalence() -> None:
     assert text.rstrip().splitlines()[-1].startswith("equivalent: after 2 steps every parameter equals")
 
 
+def test_demo_pipelined_dp_pp_tp_prints_stages_schedule_and_confirms_equivalence() -> None:
+    """A pp axis pipelines the GPT (1F1B, 2 microbatches); the demo prints the stages with their
+    balance and each position's action list, and ends equal to the unpipelined eager step."""
+    argv = ["--mesh", "dp=2,pp=2,tp=2", "--steps", "1", "--microbatches", "2"]
+    _, text = _run(demo.main, argv)
+    assert "mode: simulated (dp=2 x pp=2 x tp=2: 8 virtual devices" in text
+    assert "2 stage(s) on 2 position(s), schedule 1f1b, 2 microbatch(es)" in text and "balance" in text
+    assert "stage 0 on position 0" in text and "stage 1 on position 1" in text
+    assert "send over pp" in text  # the boundary's activations and their gradients
+    lists = dict(line.split(": ", 1) for line in text.splitlines() if line.startswith("position "))
+    assert sorted(lists["position 0"].split()) == ["B0.0", "B0.1", "F0.0", "F0.1"]
+    assert sorted(lists["position 1"].split()) == ["B1.0", "B1.1", "F1.0", "F1.1"]
+    assert text.rstrip().splitlines()[-1].startswith("equivalent: after 1 steps every parameter equals")
+
+
 def test_demo_runs_as_a_script() -> None:
     """`python examples/demo.py` (the README's command) works from any directory."""
     out = subprocess.run(
