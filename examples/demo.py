@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--virtual-stages", type=int, default=2, help="stages per position (interleaved)")
     args = ap.parse_args(argv)  # unknown flags are an error
     pp = "pp" in args.mesh
+    stages = args.mesh.get("pp", 1) * (args.virtual_stages if args.schedule == "interleaved" else 1)
+    if pp and args.layers < stages - 1:  # one boundary after each block: layers + 1 stages at most
+        ap.error(
+            f"--schedule {args.schedule} on pp={args.mesh['pp']} needs {stages} stages: "
+            f"pass --layers {stages - 1}"
+        )
     mesh = _cli.make_mesh(args)
     say = _cli.say_fn(mesh)
     say(_cli.mode_line(mesh))

@@ -65,6 +65,12 @@ def test_demo_pipelined_dp_pp_tp_prints_stages_schedule_and_confirms_equivalence
     assert text.rstrip().splitlines()[-1].startswith("equivalent: after 1 steps every parameter equals")
 
 
+def test_demo_too_few_layers_for_the_stages_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--mesh", "pp=2", "--schedule", "interleaved", "--layers", "2"])
+    assert exc.value.code == 2 and "needs 4 stages: pass --layers 3" in capsys.readouterr().err
+
+
 def test_demo_runs_as_a_script() -> None:
     """`python examples/demo.py` (the README's command) works from any directory."""
     out = subprocess.run(
