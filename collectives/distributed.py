@@ -64,10 +64,10 @@ def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).contiguous()
 
 
-def _exchange_lengths(g: _Group, length: int) -> list[int]:
+def _exchange_lengths(g: _Group, length: int, device: torch.device) -> list[int]:
     """All members' lengths along a dim, by position (metadata: counted apart)."""
-    mine = torch.tensor([length], dtype=torch.int64)
-    out = torch.empty(g.n, dtype=torch.int64)
+    mine = torch.tensor([length], dtype=torch.int64, device=device)
+    out = torch.empty(g.n, dtype=torch.int64, device=device)
     _all_gather_flat(out, mine, group=g.pg)
     accounting.record_metadata({g.rank: 8 * (g.n - 1)})
     by_grank = out.tolist()
@@ -81,7 +81,7 @@ def all_gather(
     mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dim: int, size: int | None, async_op: bool
 ) -> torch.Tensor:
     g = _Group(mesh, axes)
-    lengths = chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[dim])
+    lengths = chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[dim], x.device)
     longest = max(lengths)
     accounting.record(
         "all_gather", axes, x, tuple(g.by_pos), {g.rank: accounting.all_gather_bytes(x, dim, longest, g.n)}
@@ -185,7 +185,9 @@ def all_to_all(
     )
     if g.n == 1:
         return x.clone()
-    lengths = chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[concat_dim])
+    lengths = (
+        chunk_sizes(size, g.n) if size is not None else _exchange_lengths(g, x.shape[concat_dim], x.device)
+    )
     if lengths[g.pos] != x.shape[concat_dim]:
         raise _size_mismatch("all_to_all", concat_dim, x, lengths, g)
     front = _front(x, split_dim)

@@ -307,6 +307,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
 
     mesh = program.mesh
     pp = program.pipeline
+    device = mesh.device_mesh.device_type
     reads = pp.per_rank[mesh.rank].reads if pp is not None else None
     local = []
     for i, (t, path, want, where) in enumerate(
@@ -327,7 +328,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
         elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
             local.append(torch.empty(0, dtype=t.dtype))
         else:
-            local.append(t[where].contiguous())
+            local.append(t[where].to(device).contiguous())  # NCCL takes GPU tensors only
     with torch.no_grad():
         outs = list(program.programs[mesh.rank](*local))
     if pp is not None:

@@ -34,18 +34,29 @@ def wait(work: Any, timeout: float, what: str) -> None:
         ) from None
 
 
-def disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
-    """Every rank's ``values`` (an int64 vector), or None when every rank holds the same."""
+def comm_device() -> torch.device:
+    """Where the default group's collectives take their tensors: NCCL only moves GPU memory."""
     import torch.distributed as dist
 
-    both = torch.cat([values, -values])
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
+    """Every rank's ``values`` (an int64 vector, on the CPU), or None when every rank holds the same."""
+    import torch.distributed as dist
+
+    dev = comm_device()
+    both = torch.cat([values, -values]).to(dev)
     wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout, what)
+    both = both.cpu()
     n = values.numel()
     if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
         return None
-    everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
-    wait(dist.all_gather(everyone, values, async_op=True), timeout, what)
-    return everyone
+    everyone = [torch.zeros_like(values, device=dev) for _ in range(dist.get_world_size())]
+    wait(dist.all_gather(everyone, values.to(dev), async_op=True), timeout, what)
+    return [v.cpu() for v in everyone]
 
 
 def groups(everyone: list[torch.Tensor]) -> list[list[int]]:

@@ -97,7 +97,7 @@ def stage_input(t: Any, program: Program, index: int, want: Sequence[Any], path:
     else:  # this rank's block under the wanted layout: the pipeline axis's entry is Replicate
         where = tuple(device_slices(t.shape, mesh, program.in_specs[index], mesh.rank))
         shape = torch.empty(t.shape, device="meta")[where].shape
-        block = torch.empty(shape, dtype=t.dtype)
+        block = torch.empty(shape, dtype=t.dtype, device=t.device)
     dist.broadcast(block, src=at[s], group=mesh.device_mesh.get_group(axis))
     return block if q in readers else torch.empty(0, dtype=t.dtype)
 
