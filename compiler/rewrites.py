@@ -1,8 +1,10 @@
 """User-level rewrites applied while tracing, before autograd sees the ops.
 
-``scaled_dot_product_attention`` over (batch, heads, seq, dim) CPU tensors without a mask, dropout or
-grouped heads becomes the CPU flash kernel itself (``_scaled_dot_product_flash_attention_for_cpu``,
-whose forward and backward have rules with batch and heads as free factors); ATen's own choice of kernel
+``scaled_dot_product_attention`` over (batch, heads, seq, dim) tensors without a mask, dropout or
+grouped heads becomes a fused kernel itself: the CPU flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``) on CPU tensors, the memory-efficient kernel
+(``_scaled_dot_product_efficient_attention``) on CUDA tensors; the forward and backward of both have
+rules with batch and heads as free factors. ATen's own choice of kernel
 depends on conditions a trace should not, and its math fallback merges batch and heads into one dim. Any
 other call becomes the math form (q·kᵀ·scale, mask, softmax, ·v). A matmul with several batch dims (q·kᵀ
 over batch and heads) becomes one ``shardspec::matmul`` node: ATen would merge the batch dims into one
@@ -133,26 +135,33 @@ def sdpa_math(
     return (batched_matmul if _many_batch_dims(probs, value) else torch.matmul)(probs, value)
 
 
-def _flash_fits(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an SDPA call is one the CPU flash kernel computes exactly as asked."""
+def _fused_kernel(args: Any, kwargs: dict[str, Any]) -> str | None:
+    """Which fused kernel computes an SDPA call exactly as asked: ``"cpu"`` (the CPU flash kernel),
+    ``"cuda"`` (the memory-efficient CUDA kernel, which takes fp32 as well as half precision), or
+    None (plain ops)."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     call = dict(zip(names, args, strict=False)) | kwargs
     q, k, v = call.get("query"), call.get("key"), call.get("value")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        return False
+        return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    return (
+    device = q.device.type
+    fits = (
         call.get("attn_mask") is None
         and not call.get("dropout_p", 0.0)
         and set(call) <= set(names)
-        and q.device.type == k.device.type == v.device.type == "cpu"
+        and device == k.device.type == v.device.type
         and q.dtype == k.dtype == v.dtype
-        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         and q.shape[:2] == k.shape[:2] == v.shape[:2]
         and k.shape[2] == v.shape[2]
-        and q.shape[3] == k.shape[3] == v.shape[3]  # the kernel takes one head size
+        and q.shape[3] == k.shape[3] == v.shape[3]  # the kernels take one head size
         and min(q.shape[2], k.shape[2]) > 0
     )
+    if fits and device == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return "cpu"
+    if fits and device == "cuda" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return "cuda" if q.shape[3] % 8 == 0 and q.shape[3] <= 256 else None  # the kernel's alignment
+    return None
 
 
 def sdpa_fused(
@@ -165,10 +174,15 @@ def sdpa_fused(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """scaled_dot_product_attention as the CPU flash kernel (``_flash_fits`` calls only)."""
-    out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, bool(is_causal), scale=scale
-    )
+    """scaled_dot_product_attention as the fused kernel ``_fused_kernel`` picked for it."""
+    if query.device.type == "cuda":
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, True, 0.0, bool(is_causal), scale=scale
+        )[0]
+    else:
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, bool(is_causal), scale=scale
+        )
     return out  # type: ignore[no-any-return]
 
 
@@ -239,7 +253,7 @@ class Rewrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _SDPA:
-            return (sdpa_fused if _flash_fits(args, kwargs) else sdpa_math)(*args, **kwargs)
+            return (sdpa_fused if _fused_kernel(args, kwargs) else sdpa_math)(*args, **kwargs)
         if func in _ONE_HOT:
             return one_hot(*args, **kwargs)
         if func in _LINEAR_CE:

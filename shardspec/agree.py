@@ -34,29 +34,35 @@ def wait(work: Any, timeout: float, what: str) -> None:
         ) from None
 
 
-def comm_device() -> torch.device:
-    """Where the default group's collectives take their tensors: NCCL only moves GPU memory."""
+_CHECK_GROUP: list[Any] = []
+
+
+def check_group() -> Any:
+    """The group agreement checks run on: the default one, or under NCCL a gloo group over the same
+    ranks, so that a check moves CPU integers and never waits for the GPU's queued work (a check on
+    NCCL would synchronize the device on every call). Created on first use, which every rank reaches
+    at the same point (the first check)."""
     import torch.distributed as dist
 
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not _CHECK_GROUP or _CHECK_GROUP[0][0] is not dist.group.WORLD:
+        group = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+        _CHECK_GROUP[:] = [(dist.group.WORLD, group)]
+    return _CHECK_GROUP[0][1]
 
 
 def disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
-    """Every rank's ``values`` (an int64 vector, on the CPU), or None when every rank holds the same."""
+    """Every rank's ``values`` (an int64 vector on the CPU), or None when every rank holds the same."""
     import torch.distributed as dist
 
-    dev = comm_device()
-    both = torch.cat([values, -values]).to(dev)
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True), timeout, what)
-    both = both.cpu()
+    group = check_group()
+    both = torch.cat([values, -values])
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, what)
     n = values.numel()
     if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
         return None
-    everyone = [torch.zeros_like(values, device=dev) for _ in range(dist.get_world_size())]
-    wait(dist.all_gather(everyone, values.to(dev), async_op=True), timeout, what)
-    return [v.cpu() for v in everyone]
+    everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+    wait(dist.all_gather(everyone, values, group=group, async_op=True), timeout, what)
+    return everyone
 
 
 def groups(everyone: list[torch.Tensor]) -> list[list[int]]:

@@ -36,7 +36,7 @@ def fingerprint(t: torch.Tensor) -> tuple[int, int]:
     data = data.resolve_conj().resolve_neg().contiguous().reshape(-1)
     nbytes = data.numel() * data.element_size()
     words = (data.view(torch.uint8) if nbytes % 4 else data.view(torch.int32)).to(torch.int64)
-    index = torch.arange(words.numel(), dtype=torch.int64)
+    index = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
     weights = (index * 0x9E3779B1) % 2147483647 + 1
     return int(words.sum()), int((words * weights).sum())
 

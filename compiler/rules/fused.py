@@ -1,5 +1,5 @@
-"""Rule builders for fused kernels kept through tracing: layer norm's backward and the CPU flash
-attention kernel and its backward.
+"""Rule builders for fused kernels kept through tracing: layer norm's backward and the attention
+kernels (CPU flash, CUDA memory-efficient) and their backward.
 
 A fused kernel is linear in fewer operands than the chain it replaces, so each rule names exactly the
 operands it is linear in, and a factor a result both keeps and sums over stays whole (a rule has one
@@ -82,3 +82,40 @@ def adamw(node: Node) -> Built:
     p, g, m, v, step = (arg(node, k) for k in range(5))
     names = letters(len(shape_of(p)))
     return line([names] * 4 + [[]], [names] * 3), "none", [p, g, m, v, step]
+
+
+def efficient_attention(node: Node) -> Built:
+    """_scaled_dot_product_efficient_attention(q, k, v, bias, compute_lse, dropout_p, is_causal)
+    -> (out, lse, philox_seed, philox_offset), the CUDA kernel: as the CPU flash kernel, except that
+    the query sequence stays whole (lse pads it to the kernel's block size, its own whole factor) and
+    the philox seed and offset are 0-dim values every rank computes alike."""
+    q, k, v = arg(node, 0), arg(node, 1), arg(node, 2)
+    if arg(node, 3) is not None or float(arg(node, 5, 0.0)) != 0.0:
+        raise KeyError("attention with a bias or dropout")
+    if len(shape_of(q)) != 4 or len(shape_of(k)) != 4 or len(shape_of(v)) != 4:
+        raise KeyError("attention over other than (batch, heads, seq, dim)")
+    return (
+        line(
+            [["b", "h", "s!", "d!"], ["b", "h", "t!", "d!"], ["b", "h", "t!", "e!"]],
+            [["b", "h", "s!", "e!"], ["b", "h", "u!"], [], []],
+        ),
+        "none",
+        [q, k, v],
+    )
+
+
+def efficient_attention_backward(node: Node) -> Built:
+    """_scaled_dot_product_efficient_attention_backward(grad, q, k, v, bias, out, lse, seed,
+    offset, dropout_p, grad_input_mask, is_causal) -> (grad_q, grad_k, grad_v, grad_bias): batch
+    and heads pass through, both sequences and the head dims stay whole; linear in grad (as the CPU
+    flash backward)."""
+    g, q, k, v, bias, out, lse, seed, offset = (arg(node, j) for j in range(9))
+    if bias is not None or float(arg(node, 9, 0.0)) != 0.0:
+        raise KeyError("attention with a bias or dropout")
+    qt, kt, vt = ["b", "h", "s!", "d!"], ["b", "h", "t!", "d!"], ["b", "h", "t!", "e!"]
+    ot = ["b", "h", "s!", "e!"]
+    return (
+        line([ot, qt, kt, vt, ot, ["b", "h", "u!"], [], []], [qt, kt, vt, []]),
+        "first",
+        [g, q, k, v, out, lse, seed, offset],
+    )

@@ -320,6 +320,8 @@ REGISTRY.update(
         aten.native_layer_norm_backward.default: fused.layer_norm_backward,
         aten._scaled_dot_product_flash_attention_for_cpu.default: fused.flash_attention,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: fused.flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention.default: fused.efficient_attention,
+        aten._scaled_dot_product_efficient_attention_backward.default: fused.efficient_attention_backward,
         torch.ops.shardspec.adamw.default: fused.adamw,
     }
 )
@@ -352,6 +354,8 @@ NO_EMPTY_BLOCKS = {
     aten.adaptive_max_pool3d_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
 }
 
 
