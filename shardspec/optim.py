@@ -154,6 +154,73 @@ def _(
     return torch.empty_like(p), torch.empty_like(m), torch.empty_like(v)
 
 
+def adamw_multi_inplace_kernel(
+    p: list[torch.Tensor],
+    g: list[torch.Tensor],
+    m: list[torch.Tensor],
+    v: list[torch.Tensor],
+    step: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """Every parameter's update written into ``p``, ``m`` and ``v`` (donated buffers): torch's
+    fused AdamW kernel, one pass over the four tensors per parameter (the bits of
+    ``torch.optim.AdamW(fused=True)``, within rounding of the default loop). That kernel reads its
+    tensors as dense memory, so a strided gradient is made dense first and a strided state tensor
+    takes the single-tensor kernels in place."""
+    g = [x.contiguous() for x in g]
+    if all(t.is_contiguous() for t in (*p, *m, *v)):
+        torch._fused_adamw_(
+            p,
+            g,
+            m,
+            v,
+            [],
+            [step] * len(p),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        return
+    t = float(step)
+    for p_, g_, m_, v_ in zip(p, g, m, v, strict=True):
+        p_.mul_(1 - lr * weight_decay)
+        m_.lerp_(g_, 1 - beta1)
+        v_.mul_(beta2).addcmul_(g_, g_, value=1 - beta2)
+        denom = v_.sqrt().div_((1 - beta2**t) ** 0.5).add_(eps)
+        p_.addcdiv_(m_, denom, value=-lr / (1 - beta1**t))
+
+
+_HYPER = "Tensor step, float lr, float beta1, float beta2, float eps, float weight_decay"
+_LIB.define(  # type: ignore[no-untyped-call]
+    f"adamw_multi_(Tensor(a!)[] p, Tensor[] g, Tensor(b!)[] m, Tensor(c!)[] v, {_HYPER}) -> ()"
+)
+_LIB.impl("adamw_multi_", adamw_multi_inplace_kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+
+
+@torch.library.register_fake("shardspec::adamw_multi_", lib=_LIB)  # type: ignore[untyped-decorator]
+def _multi_inplace_fake(
+    p: list[torch.Tensor],
+    g: list[torch.Tensor],
+    m: list[torch.Tensor],
+    v: list[torch.Tensor],
+    step: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    return None
+
+
 def sgd(lr: float, momentum: float = 0.0) -> SGD:
     """Stochastic gradient descent, with optional (heavy-ball) momentum, as torch.optim.SGD.
 
