@@ -4,6 +4,11 @@ distributions; the dropout GPT matches its unsharded run."""
 
 from __future__ import annotations
 
+import functools
+import re
+from typing import Any
+
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardspec
+from compiler.debug import first_divergence
 from examples.models import gpt, gpt_dropout
 from examples.train_gpt import OPT, batch, strategy_specs
 from shardspec import Mesh, P, sharded
@@ -242,3 +248,119 @@ def test_dropout1d_on_an_input_torch_refuses_is_an_error_naming_the_shape() -> N
     step = sharded(lambda x: F.dropout1d(x, 0.5, training=False), mesh=ONE, in_specs=(P(),), out_specs=P())
     with pytest.raises(shardspec.ShardingError, match=r"dropout1d at .*test_random.py:\d+.*\(2, 3, 4, 5\)"):
         step(x)
+
+
+# --- what is bit for bit in a whole training step, and what only to float rounding ---------------
+#
+# A float32 sum depends on the order of its additions. A split reduction (the gradient's sum over a
+# batch split over dp, a contraction split over tp) adds each device's partial sum and then the
+# partial sums, an order the unsharded kernel does not use, so no layout that splits a sum can be
+# bit-equal in general (XLA's SPMD partitioner has the same property). Any order of summing n terms
+# x_i is within gamma_(n-1) * sum |x_i| of the exact sum (gamma_k = k u / (1 - k u), u = 2^-24), so
+# a mean over n values computed in two orders differs by at most 2 gamma_n * mean |x_i|.
+
+U = 2.0**-24
+
+
+def _gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _dropout_step(cfg: gpt.Config) -> Any:
+    def step(p: Any, s: Any, tokens: torch.Tensor, targets: torch.Tensor, key: torch.Tensor) -> Any:
+        loss, grads = shardspec.value_and_grad(gpt_dropout.loss_fn)(p, tokens, targets, key, cfg)
+        p, s = OPT.update(grads, s, p)
+        return p, s, loss
+
+    return step
+
+
+CFG = gpt.Config(layers=1)
+
+
+@functools.cache
+def _step_args() -> tuple[Any, ...]:
+    params = gpt.init(CFG)
+    return (params, OPT.init(params), *batch(0, CFG), shardspec.random.key(11))
+
+
+def _compiled(axes: dict[str, int], pspec: Any, sspec: Any, bspec: P, **options: Any) -> Any:
+    return sharded(
+        _dropout_step(CFG),
+        mesh=Mesh(axes, simulate=True),
+        in_specs=(pspec, sspec, bspec, bspec, P()),
+        out_specs=(pspec, sspec, P()),
+        **options,
+    )
+
+
+def _replicated(params: dict[str, torch.Tensor]) -> dict[str, P]:
+    return {name: P() for name in params}
+
+
+@functools.cache
+def _unsharded_program() -> Any:
+    """The step compiled for one device: the same ATen ops as every mesh's program, no split."""
+    params = _step_args()[0]
+    pspec = _replicated(params)
+    return _compiled({"dp": 1}, pspec, OPT.state_specs(pspec), P())(*_step_args())
+
+
+# optimizer state split over the mesh (ZeRO-1) with parameters and batch replicated: each device
+# updates its rows of the moments from the whole gradient, and the parameters are all-gathered
+ZERO1_REPLICATED_BATCH = [
+    ({"dp": 2}, P("dp")),
+    ({"dp": 3}, P("dp")),  # uneven: 16 rows as 6, 5, 5
+    ({"dp": 2, "tp": 2}, P(("dp", "tp"))),
+]
+
+
+@pytest.mark.parametrize(("axes", "state_spec"), ZERO1_REPLICATED_BATCH, ids=["dp2", "dp3", "dp2xtp2"])
+def test_dropout_gpt_step_is_bit_identical_where_no_sum_is_split(axes: dict[str, int], state_spec: P) -> None:
+    """The whole dropout training step (loss, every gradient, AdamW's moments and parameters) equals
+    the unsharded program bit for bit on meshes whose splits leave every reduction's order alone:
+    the program's only collectives are all-gathers, which move values without adding them.
+
+    The unsharded *program* (this step compiled for one device) is the reference: eager torch
+    computes two reductions with other kernels than the traced step, the cross-entropy mean (its
+    fused nll_loss, against sum / count) and layer norm's weight and bias gradients (the fused
+    backward, against a sum over the leading dims, which a split batch leaves pending), so eager
+    differs from every program, the one-device one included, by float rounding: the loss by at most
+    the summation bound, the parameters within float32's default tolerance."""
+    args = _step_args()
+    params = args[0]
+    pspec = _replicated(params)
+    sspec = OPT.state_specs({name: state_spec for name in params})
+    step = _compiled(axes, pspec, sspec, P())
+    assert {c.kind for c in step.lower(*args).collectives()} == {"all_gather"}
+    got, want = step(*args), _unsharded_program()
+    got_leaves, want_leaves = optree.tree_flatten_with_path(got), optree.tree_leaves(want)
+    unequal = [path for path, g, w in zip(*got_leaves[:2], want_leaves) if not torch.equal(g, w)]
+    assert unequal == [], f"not bit-identical on {axes}: {unequal}"
+    eager_p, _, eager_loss = _dropout_step(CFG)(*args)
+    with shardspec.random.rng(args[-1]):
+        logits = gpt_dropout.forward(params, args[2], CFG, 0.1)
+    per_token = F.cross_entropy(logits.reshape(-1, CFG.vocab), args[3].reshape(-1), reduction="none")
+    assert abs(float(got[2] - eager_loss)) <= 2 * _gamma(per_token.numel()) * float(per_token.abs().mean())
+    torch.testing.assert_close(got[0], eager_p)
+
+
+SPLIT_SUMS = [({"dp": 2}, "dp"), ({"dp": 2, "tp": 2}, "dp-tp"), ({"tp": 2}, "tp")]
+
+
+@pytest.mark.parametrize(("axes", "strategy"), SPLIT_SUMS, ids=["dp2", "dp2xtp2", "tp2"])
+def test_where_a_sum_is_split_the_first_value_that_differs_is_that_pending_sum(
+    axes: dict[str, int], strategy: str
+) -> None:
+    """On meshes that split sums (the gradients' batch sum over dp, Megatron's contractions over
+    tp), every value of the dropout step up to the first split reduction is bit-identical to the
+    unsharded program's (dropout masks, embeddings, attention per head, ...): the first value that
+    differs at all is a pending sum, whose addition order the split changed. (The in-place
+    all-reduce pass is off: it overwrites the addend this comparison reads; values are the same.)"""
+    args = _step_args()
+    params = args[0]
+    pspec = strategy_specs(strategy, params, axes)
+    bspec = P("dp") if "dp" in axes else P()
+    step = _compiled(axes, pspec, OPT.state_specs(pspec), bspec, passes={"inplace": False})
+    first = first_divergence(step.lower(*args).program, args, rtol=0, atol=0)
+    assert first is not None and re.search(r"layout [^:]*Partial\(", first), first
