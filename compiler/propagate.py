@@ -115,16 +115,23 @@ class _Propagator(Lookahead, PendingSums):
         self.result.plans[node] = p
         self.result.value[node] = p.outputs[0] if len(p.outputs) == 1 else p.outputs  # type: ignore[assignment]
         for o, r in zip(p.operands, p.required, strict=True):
-            self.memo.add((o, r))
+            if (o, r) not in self.memo:
+                self.memo.add((o, r))
+                self.moved.setdefault(o, []).append(r)
 
     def candidates(
         self, node: Node, rule: Rule, operands: list[Node], current: list[Sharding]
     ) -> list[dict[str, Axes]]:
         options: dict[str, list[Axes]] = {f: [()] for f in rule.factors}
-        for toks, s in zip(rule.operands, current, strict=True):
-            for t, axes in zip(toks, s.dims, strict=True):
-                if t and axes and axes not in options[t[0]]:
-                    options[t[0]].append(axes)
+        for o, toks, s in zip(operands, rule.operands, current, strict=True):
+            # a pending operand already reduced for another consumer: its reduced layout too, so
+            # this op can reuse that reduction (layer norm's bias gradient summing the
+            # reduce-scattered gradient instead of all-reducing it whole)
+            reduced = [r for r in self.moved.get(o, ()) if not r.partial] if s.partial else []
+            for held in (s, *reduced):
+                for t, axes in zip(toks, held.dims, strict=True):
+                    if t and axes and axes not in options[t[0]]:
+                        options[t[0]].append(axes)
         w = self.want.get(node)
         if w is not None and len(rule.outputs) == 1 and len(rule.outputs[0]) == len(w):
             for t, want_axes in zip(rule.outputs[0], w, strict=True):
@@ -180,10 +187,10 @@ class _Propagator(Lookahead, PendingSums):
                     # re-gathered): each use carries half
                     b -= moves / 2
                 nbytes, ncoll = nbytes + b, ncoll + c
-        for f in rule.reductions:
+        for f in rule.reductions:  # a layout memo already holds (a reduction reused) is no reshard
             if a[f] and any(
-                t and t[0] == f and s.dims[k] != a[f]
-                for toks, s in zip(rule.operands, current, strict=True)
+                t and t[0] == f and s.dims[k] != a[f] and (o, r) not in self.memo
+                for o, toks, s, r in zip(operands, rule.operands, current, required, strict=True)
                 for k, t in enumerate(toks)
             ):
                 penalty += 1

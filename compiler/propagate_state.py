@@ -69,7 +69,7 @@ def _node(a: Any) -> Node:
 
 
 def _numel(n: Node) -> int:
-    v = n.meta["val"]
+    v = n.meta.get("val")
     return int(v.numel()) if isinstance(v, torch.Tensor) else 0
 
 
@@ -106,8 +106,10 @@ class PropagatorBase:
         self.inputs, self.out_specs = inputs, outputs
         self.want: dict[Node, Want] = {}
         self.memo: set[tuple[Node, Sharding]] = set()
+        self.moved: dict[Node, list[Sharding]] = {}  # value -> the layouts memo moved it to
         self.rules: dict[Node, tuple[Rule, list[Node]]] = {}
         self.partial_hint: set[Node] = set()  # values that ended Partial in the previous pass
+        self.reduce_now: dict[tuple[Node, Node], bool] = {}  # (pending value, consumer) -> reduce?
 
     def rule(self, node: Node) -> tuple[Rule, list[Node]]:
         if node not in self.rules:
