@@ -123,6 +123,11 @@ def _adamw_in_place(graph: Graph, donated: set[Node]) -> set[Node]:
                 u.replace_all_uses_with(buffer)  # type: ignore[arg-type]
                 graph.erase_node(u)
             graph.erase_node(n)
+    for b in taken:  # an updated buffer is returned as it lies (copy_ targets are too)
+        for u in list(b.users):
+            if u.target is aten.contiguous.default and all(x.op == "output" for x in u.users):
+                u.replace_all_uses_with(b)
+                graph.erase_node(u)
     if after:
         _reorder(graph, after)
     return taken
@@ -137,7 +142,8 @@ def _reorder(graph: Graph, after: dict[Node, list[Node]]) -> None:
     follows: dict[Node, set[Node]] = {n: set(n.all_input_nodes) for n in nodes}
     for first, later in after.items():
         for n in later:
-            follows[n].add(first)
+            if n in follows:  # (not erased since)
+                follows[n].add(first)
     users: dict[Node, list[Node]] = {n: [] for n in nodes}
     for n, before in follows.items():
         for b in before:
