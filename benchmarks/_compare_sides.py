@@ -76,7 +76,9 @@ def param_specs(strategy: str, params: dict[str, torch.Tensor], world: int) -> d
     return {k: P() for k in params}
 
 
-def shardspec_side(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Tensor, ...]) -> Side:
+def shardspec_side(
+    strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Tensor, ...], backend: str = "eager"
+) -> Side:
     """A ``@sharded`` step (forward, backward, AdamW as one program); the batch is pre-placed as
     DTensors so neither side pays for slicing it inside the timed step."""
     from torch.distributed.tensor import DTensor
@@ -100,7 +102,15 @@ def shardspec_side(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torc
         p, s = opt.update(grads, s, p)
         return p, s, loss
 
-    f = sharded(train_step, mesh=mesh, in_specs=(pspec, sspec, bspec, bspec), out_specs=(pspec, sspec, P()))
+    # donated, as torch.optim updates in place: parameters and moments are updated where they lie
+    f = sharded(
+        train_step,
+        mesh=mesh,
+        in_specs=(pspec, sspec, bspec, bspec),
+        out_specs=(pspec, sspec, P()),
+        donate=(0, 1),
+        backend=backend,
+    )
     placed = [
         DTensor.from_local(
             x[device_slices(tuple(x.shape), mesh, bspec, mesh.rank)].contiguous(),
