@@ -19,7 +19,7 @@ import torch
 from torch.fx import Node
 
 from compiler.plan.auto import AUTO, held_bytes, layouts
-from compiler.plan.candidates import candidates
+from compiler.plan.candidates import candidates, follow
 from compiler.plan.costmodel import CostModel
 from compiler.plan.evaluate import ModeledTime, again, modeled_time
 from compiler.plan.solve import Problem, State
@@ -166,6 +166,7 @@ def _build(
     regather: bool,
     free: Free,
     choices: dict[Node, list[Sharding]],
+    merge: bool = True,
 ) -> tuple[Problem, dict[Node, list[OpPlan]]]:
     looker = _Propagator(graph, inputs, outputs, mesh, unsupported)
     looker.sweep_wants()
@@ -173,10 +174,11 @@ def _build(
     states: dict[Node, list[State]] = {}
     options: dict[Node, list[OpPlan]] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    xs: list[int | None]
     for n, s in zip(placeholders, inputs, strict=True):
         if n in choices:
-            xs = problem.add_choice(n, len(choices[n]))
-            states[n] = list(zip(choices[n], xs, strict=True))
+            picks = problem.add_choice(n, len(choices[n]))
+            states[n] = list(zip(choices[n], picks, strict=True))
         else:
             states[n] = [(s, None)]
     for node in graph.nodes:
@@ -185,21 +187,26 @@ def _build(
         elif node.op == "call_function" and node.target is operator.getitem:
             src, idx = node.args
             assert isinstance(src, Node) and isinstance(idx, int)
-            xs = problem.choice[src]
+            xs = list(problem.choice[src])
             states[node] = [(p.outputs[idx], x) for p, x in zip(options[src], xs, strict=True)]
         elif node.op == "call_function":
             g = greedy.plans[node]
+            merged = None
             if node.target is CONSTRAIN:
                 plans = [g]
             else:
                 rule, operands = looker.rule(node)
                 st = [[s for s, _ in states[o]] for o in operands]
-                plans = candidates(node, rule, operands, st, looker.want.get(node), g, mesh, cap)
+                merged = follow(node, rule, operands, st, mesh) if merge else None
+                plans = merged or candidates(node, rule, operands, st, looker.want.get(node), g, mesh, cap)
             options[node] = plans
-            xs = problem.add_op(node, plans)
-            for p, x in zip(plans, xs, strict=True):
-                for o, r in zip(p.operands, p.required, strict=True):
-                    problem.demand(o, states[o], r, x, again(o, node, regather))
+            if merged is not None:  # no variables: the producer's state picks the plan
+                xs = problem.add_follow(node, plans, [x for _, x in states[operands[0]]])
+            else:
+                xs = list(problem.add_op(node, plans))
+                for p, x in zip(plans, xs, strict=True):
+                    for o, r in zip(p.operands, p.required, strict=True):
+                        problem.demand(o, states[o], r, x, again(o, node, regather), node)
             if len(g.outputs) == 1:
                 states[node] = [(p.outputs[0], x) for p, x in zip(plans, xs, strict=True)]
         elif node.op == "output":

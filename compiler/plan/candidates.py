@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from torch.fx import Node
 
 from compiler.propagate_state import _VIEW_LIKE, OpPlan, shape
@@ -134,3 +135,42 @@ def candidates(
             if len(out) >= cap:
                 return out
     return out
+
+
+def follow(
+    node: Node, rule: Rule, operands: list[Node], states: list[list[Sharding]], mesh: Mesh
+) -> list[OpPlan] | None:
+    """Merge a simple op into its producer: one plan per state of its single operand, each keeping
+    that state as it is (a view, a cast, a unary elementwise op: nothing to choose but what its
+    producer chose, so the integer program needs no variables for it). None where some state
+    cannot pass through unchanged (a split on a dim the op merges or keeps whole, a pending sum
+    the op is not linear in or would enlarge): the op then gets candidates of its own."""
+    if len(operands) != 1 or len(rule.outputs) != 1 or rule.reductions or len(states[0]) < 2:
+        return None
+    sizes = factor_sizes(rule, operands, node)
+    toks = rule.operands[0]
+    blocked = rule.replicated | rule.minor
+    grows = _numel(node) > _numel(operands[0])
+    plans = []
+    for s in states[0]:
+        a: dict[str, Axes] = dict.fromkeys(rule.factors, ())
+        for t, axes in zip(toks, s.dims, strict=True):
+            if axes:
+                if not t or t[0] in blocked or a[t[0]]:
+                    return None
+                a[t[0]] = axes
+        if not _valid(node, rule, sizes, a, mesh):
+            return None
+        if s.partial and (rule.linear == "none" or grows):
+            return None
+        required = Sharding(tuple(a[t[0]] if t else () for t in toks), s.partial)
+        if required != s:
+            return None
+        outputs = (Sharding(tuple(a[t[0]] if t else () for t in rule.outputs[0]), s.partial),)
+        plans.append(OpPlan(rule, tuple(operands), (required,), outputs, tuple(sorted(a.items()))))
+    return plans
+
+
+def _numel(n: Node) -> int:
+    v = n.meta.get("val")
+    return int(v.numel()) if isinstance(v, torch.Tensor) else 0

@@ -3,10 +3,14 @@
 Variables: ``x[v, j]`` = op ``v`` runs candidate ``j`` (exactly one per op), and ``z[u, i, t]`` =
 value ``u``, left in state ``i`` by its producer's candidate, is resharded to target ``t`` (priced
 once however many consumers read that target: the partitioner memoizes (value, target)). For each
-consumer candidate needing ``u`` as ``t``: ``z[u, i, t] >= x[u, i] + x[v, j] - 1``; a pair no
-reshard can join (a consumer wanting a pending sum the producer does not leave) is excluded by
-``x[u, i] + x[v, j] <= 1``. Objective: reshard seconds + compute seconds, plus a tiny bonus on the
-greedy choice so equal plans resolve to it deterministically. Solved by HiGHS through
+consumer ``v`` and the set ``J`` of its candidates needing ``u`` as ``t``:
+``z[u, i, t] >= x[u, i] + sum_J x[v, j] - 1`` (one row for the set: valid since ``v`` runs one
+candidate, and a tighter relaxation than a row per candidate); a pair no reshard can join (a consumer
+wanting a pending sum the producer does not leave) is excluded by ``x[u, i] + sum_J x[v, j] <= 1``.
+An op merged into its producer (``follows``: a view or unary op that keeps its operand's layout) has
+no variables of its own: it runs the plan matching its operand's state. Objective: reshard seconds
++ compute seconds, plus a tiny bonus on the greedy choice so equal plans resolve to it
+deterministically. Solved by HiGHS through
 ``scipy.optimize.milp`` under a time limit; no answer means the caller keeps the greedy plan.
 """
 
@@ -35,6 +39,12 @@ class Problem:
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
     choice: dict[Node, list[int]] = field(default_factory=dict)  # op -> its x variables
     z: dict[tuple[Node, int, Sharding, bool], int] = field(default_factory=dict)
+    # (value, state, target, again, reader) -> (the state's variable, the reader's candidates)
+    links: dict[tuple[Node, int, Sharding, bool, Node | None], tuple[int | None, list[int | None]]] = field(
+        default_factory=dict
+    )
+    follows: dict[Node, list[int | None]] = field(default_factory=dict)  # merged op -> its producer's
+    _linked: list[tuple[dict[int, float], float, float]] | None = None
     time: dict[tuple[Node, int, Sharding], float] = field(default_factory=dict)
 
     def var(self, cost: float) -> int:
@@ -51,6 +61,15 @@ class Problem:
         self.choice[node] = xs
         return xs
 
+    def add_follow(self, node: Node, plans: list[OpPlan], producer: list[int | None]) -> list[int | None]:
+        """A merged op: plan ``i`` runs when its operand is in state ``i`` (that state's variable);
+        its compute seconds are charged to that variable."""
+        for p, y in zip(plans, producer, strict=True):
+            if y is not None:
+                self.cost[y] += self.model.compute_s(flops_of(node, p, self.mesh))
+        self.follows[node] = producer
+        return producer
+
     def add_choice(self, node: Node, count: int) -> list[int]:
         """``count`` layouts of an AUTO input, one to be chosen (free in itself)."""
         xs = [self.var(0.0) for _ in range(count)]
@@ -59,10 +78,17 @@ class Problem:
         return xs
 
     def demand(
-        self, value: Node, states: list[State], target: Sharding, consumer: int | None, again: bool = False
+        self,
+        value: Node,
+        states: list[State],
+        target: Sharding,
+        consumer: int | None,
+        again: bool = False,
+        reader: Node | None = None,
     ) -> None:
-        """Consumer variable ``consumer`` (None: always) needs ``value`` as ``target``; ``again``:
-        a backward read of an input, which the regather pass gathers a second time."""
+        """Consumer variable ``consumer`` (None: always) of op ``reader`` needs ``value`` as
+        ``target``; ``again``: a backward read of an input, which the regather pass gathers a
+        second time. The rows are written by ``links_rows``, one per (state, target, reader)."""
         for i, (s, x) in enumerate(states):
             if s == target:
                 continue
@@ -72,37 +98,51 @@ class Problem:
                     self.time[key] = reshard_s(value, s, target, self.mesh, self.model)
                 except AssertionError:
                     self.time[key] = -1.0  # no reshard reaches it
-            if self.time[key] < 0:
-                row = {k: 1.0 for k in (x, consumer) if k is not None}
-                if not row:
+            link = self.links.setdefault((value, i, target, again, reader), (x, []))
+            link[1].append(consumer)
+
+    def links_rows(self) -> list[tuple[dict[int, float], float, float]]:
+        """The reshard rows. A reader runs one candidate at most, so its candidates needing the
+        same target share one row: ``z >= x[u, i] + sum_j x[v, j] - 1`` (tighter than one row per
+        candidate, and fewer); a pair no reshard joins: ``x[u, i] + sum_j x[v, j] <= 1``."""
+        rows: list[tuple[dict[int, float], float, float]] = []
+        for (value, i, target, again, _), (x, consumers) in self.links.items():
+            always = None in consumers
+            picks = sorted({c for c in consumers if c is not None}) if not always else []
+            sel = ([x] if x is not None else []) + picks
+            if self.time[(value, i, target)] < 0:
+                if not sel and always:
                     raise ValueError("a fixed value cannot reach a fixed target")
-                self.rows.append((row, -np.inf, len(row) - 1.0))
+                fixed = (x is None) + always  # terms that are always 1: the row says not all
+                rows.append((dict.fromkeys(sel, 1.0), -np.inf, 1.0 - fixed))
                 continue
-            if (*key, again) not in self.z:
-                self.z[(*key, again)] = self.var(self.time[key])
-            zi = self.z[(*key, again)]
-            row = {zi: 1.0}
-            for k in (x, consumer):
-                if k is not None:
-                    row[k] = row.get(k, 0.0) - 1.0
-            self.rows.append((row, -(sum(1 for k in (x, consumer) if k is not None) - 1.0), np.inf))
+            zkey = (value, i, target, again)
+            if zkey not in self.z:
+                self.z[zkey] = self.var(self.time[(value, i, target)])
+            row = {self.z[zkey]: 1.0}
+            for k in sel:
+                row[k] = row.get(k, 0.0) - 1.0
+            rows.append((row, (x is None) + always - 1.0, np.inf))
+        return rows
 
     def solve(self, time_limit_s: float) -> dict[Node, int] | None:
         """Each op's chosen candidate index, or None when HiGHS finds no answer in time."""
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
 
+        if self._linked is None:
+            self._linked = self.links_rows()  # creates the z variables: before counting them
         n = len(self.cost)
         r, c, v = [], [], []
         lo, hi = [], []
-        for k, (row, a, b) in enumerate(self.rows):
+        for k, (row, a, b) in enumerate(self.rows + self._linked):
             for col, val in row.items():
                 r.append(k)
                 c.append(col)
                 v.append(val)
             lo.append(a)
             hi.append(b)
-        a_mat = coo_matrix((v, (r, c)), shape=(len(self.rows), n)).tocsr()
+        a_mat = coo_matrix((v, (r, c)), shape=(len(lo), n)).tocsr()
         scale = max(max(abs(x) for x in self.cost), 1e-30)  # seconds are tiny: solve in units of the largest
         res = milp(
             np.asarray(self.cost) / scale,
@@ -113,4 +153,7 @@ class Problem:
         )
         if res.x is None:
             return None
-        return {node: int(np.argmax([res.x[x] for x in xs])) for node, xs in self.choice.items()}
+        chosen = {node: int(np.argmax([res.x[x] for x in xs])) for node, xs in self.choice.items()}
+        for node, ys in self.follows.items():  # a merged op runs the plan of its operand's state
+            chosen[node] = int(np.argmax([res.x[y] if y is not None else 1.0 for y in ys]))
+        return chosen
