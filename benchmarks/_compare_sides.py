@@ -76,7 +76,9 @@ def param_specs(strategy: str, params: dict[str, torch.Tensor], world: int) -> d
     return {k: P() for k in params}
 
 
-def shardspec_side(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Tensor, ...]) -> Side:
+def shardspec_side(
+    strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Tensor, ...], backend: str = "eager"
+) -> Side:
     """A ``@sharded`` step (forward, backward, AdamW as one program); the batch is pre-placed as
     DTensors so neither side pays for slicing it inside the timed step."""
     from torch.distributed.tensor import DTensor
@@ -107,6 +109,7 @@ def shardspec_side(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torc
         in_specs=(pspec, sspec, bspec, bspec),
         out_specs=(pspec, sspec, P()),
         donate=(0, 1),
+        backend=backend,
     )
     placed = [
         DTensor.from_local(

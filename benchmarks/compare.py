@@ -43,10 +43,11 @@ def run(
     steps: int,
     warmup: int,
     timeout: float = 3600.0,
+    backend: str = "eager",
 ) -> list[dict[str, Any]]:
     """Every (world, strategy) row, summarized; raises if a pair of first losses disagrees."""
     rows = []
-    opts = {"batch_size": batch, "rounds": rounds, "steps": steps, "warmup": warmup}
+    opts = {"batch_size": batch, "rounds": rounds, "steps": steps, "warmup": warmup, "backend": backend}
     for world in worlds:
         if any(s in ("dp", "zero3") for s in strategies) and batch % world:
             raise SystemExit(f"--batch {batch} does not divide world {world}")
@@ -102,7 +103,7 @@ def kinds(rows: list[dict[str, Any]]) -> str:
             f"world {r['world']} {r['strategy']}: shardspec launched "
             f"{c['shardspec']['observed_launches_by_kind']} for the planned collectives "
             f"{c['shardspec']['launches_by_kind']}; torch {c['torch']['launches_by_kind']}; "
-            f"shardspec compile {r['compile_s']:.1f} s"
+            f"shardspec compile {r['compile_s']:.1f} s, first call {r['first_call_s']:.1f} s"
         )
     return "\n".join(out)
 
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side after the loss check")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per world size")
     ap.add_argument("--json", default=None, help="write the rows (and the setup) here")
+    ap.add_argument(
+        "--backend", default="eager", choices=("eager", "inductor"), help="shardspec's sharded(backend=)"
+    )
     a = ap.parse_args(argv)
     worlds = _ints(a.world)
     strategies = [s for s in a.strategies.split(",") if s]
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"GPT layers={cfg.layers} d={cfg.d} heads={cfg.heads} seq={cfg.seq} vocab={cfg.vocab} "
         f"batch={batch}; AdamW; gloo; torch {torch.__version__}; {cores} CPU cores; "
-        f"{a.rounds} rounds x {a.steps} steps per side, {a.warmup} warmup",
+        f"{a.rounds} rounds x {a.steps} steps per side, {a.warmup} warmup; shardspec backend {a.backend}",
         flush=True,
     )
     for w in worlds:
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"note: world {w} runs {w} processes on {cores} cores (oversubscribed): its times "
                 "include waiting for a core"
             )
-    rows = run(cfg, worlds, strategies, batch, a.rounds, a.steps, a.warmup, a.timeout)
+    rows = run(cfg, worlds, strategies, batch, a.rounds, a.steps, a.warmup, a.timeout, a.backend)
     print(table(rows))
     print(kinds(rows))
     if a.json:

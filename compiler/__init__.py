@@ -10,6 +10,7 @@ from typing import Any
 
 from compiler.constrain import constrain
 from compiler.grad import value_and_grad
+from compiler.inductor import check_backend
 from compiler.lowered import CollectiveInfo, Cost, Lowered
 from compiler.passes import options as pass_options
 from compiler.runtime import ShardedFunction
@@ -30,6 +31,7 @@ def sharded(
     donate: tuple[int, ...] = (),
     pipeline: Any = None,
     cost_model: Any = None,
+    backend: str = "eager",
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
@@ -72,9 +74,16 @@ def sharded(
     ``cost_model=shardspec.CostModel(...)`` (the machine: bandwidth and latency per mesh axis, FLOP
     rate) turns on the global planner: every op's sharding chosen for the least modeled step time,
     never worse than greedy propagation (see docs/planner.md); None (default) keeps greedy.
+    ``backend="inductor"`` runs each per-rank program's compute through Inductor (``torch.compile``'s
+    compiler; C++ code on CPU): the program is cut at its collectives into regions, each compiled
+    once per program on the first call (seconds to minutes), the collectives and their schedule
+    unchanged; results equal eager up to floating-point rounding (fused loops round differently).
+    A region Inductor cannot compile runs eagerly, with a warning. ``"eager"`` (default) runs the
+    program op by op (see compiler/inductor.py and docs/benchmarks.md for when Inductor pays).
     """
 
     pass_options(passes)  # a misspelled option fails here, not at the first call
+    check_backend(backend)
 
     def wrap(f: Callable[..., Any]) -> ShardedFunction:
         return ShardedFunction(
@@ -90,6 +99,7 @@ def sharded(
             donate=donate,
             pipeline=pipeline,
             cost_model=cost_model,
+            backend=backend,
         )
 
     return wrap(fn) if fn is not None else wrap

@@ -17,6 +17,7 @@ from collectives.simulated import run_simulated
 from compiler import inputs
 from compiler.backend import ResultWrapper
 from compiler.constrain import constrain
+from compiler.inductor import check_backend, runner
 from compiler.lowered import Lowered
 from compiler.pipeline.real import stage_input, stage_results
 from compiler.program import Program, broadcast_specs, compile_program
@@ -47,7 +48,9 @@ class ShardedFunction:
         donate: tuple[int, ...] = (),
         pipeline: Any = None,
         cost_model: Any = None,
+        backend: str = "eager",
     ) -> None:
+        self.backend = check_backend(backend)
         self.cost_model = cost_model
         self.strict = strict
         self.pipeline = pipeline
@@ -124,7 +127,7 @@ class ShardedFunction:
         for i in program.donated:  # after this call their storage may hold its results
             _mark_donated(tensors[i], program.traced.in_paths[i], self.__name__)
         if self.mesh.simulated:
-            outs = _run_simulated(program, tensors)
+            outs = _run_simulated(program, tensors, self.backend)
         else:
             plan = self._plans.get(id(program))
             if plan is None:
@@ -141,7 +144,7 @@ class ShardedFunction:
                     self.timeout,
                 )
                 self._values_checked.add((id(program), plain))
-            outs = _run_real(program, plan, tensors)
+            outs = _run_real(program, plan, tensors, self.backend)
         return optree.tree_unflatten(program.traced.out_tree, outs)
 
     def _inline(self, outer: Mesh, args: tuple[Any, ...]) -> Any:
@@ -233,7 +236,9 @@ def _global_view(arg: Any) -> Any:
     return optree.tree_map(conv, arg, none_is_leaf=False)
 
 
-def _run_simulated(program: Program, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _run_simulated(
+    program: Program, tensors: list[torch.Tensor], backend: str = "eager"
+) -> list[torch.Tensor]:
     mesh = program.mesh
     pieces = [
         shard(t, mesh, s, name=p)
@@ -249,7 +254,7 @@ def _run_simulated(program: Program, tensors: list[torch.Tensor]) -> list[torch.
             reads = pp.per_rank[rank].reads
             args = [p[rank] if i in reads else empty for i, p in enumerate(pieces)]
         with torch.no_grad():
-            return list(program.programs[rank](*args))
+            return list(runner(program.programs[rank], backend)(*args))
 
     per_rank = run_simulated(body, mesh)
     if pp is not None:  # each result comes from the ranks of the position that computed it
@@ -322,7 +327,7 @@ def _constants(program: Program) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any]:
+def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: str = "eager") -> list[Any]:
     from torch.distributed.tensor import DTensor
 
     mesh = program.mesh
@@ -353,7 +358,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any]) -> list[Any
         else:
             local.append(t[where].to(device).contiguous())  # NCCL takes GPU tensors only
     with torch.no_grad():
-        outs = list(program.programs[mesh.rank](*local))
+        outs = list(runner(program.programs[mesh.rank], backend)(*local))
     if pp is not None:
         from collectives.distributed import wait_sends
 
