@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import collectives
 from compiler.plan import CostModel, modeled_time
@@ -102,6 +104,31 @@ def test_zero3_mlp_gathers_parameters_and_reduce_scatters_gradients(batch):
     scatters = [r for r in tensors if r.kind == "reduce_scatter"]
     assert len(gathers) + len(scatters) == len(tensors)  # no all-to-all, no activation gathers
     assert sum(r.bytes_per_rank for r in gathers) == PHI * (psi + 16 * 4) * 4  # w2 again for backward
+    assert sum(r.bytes_per_rank for r in scatters) == PHI * psi * 4
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    sizes=st.sampled_from([(8, 16, 4), (16, 32, 8), (4, 32, 4), (32, 16, 8), (16, 16, 16)]),
+    extra=st.integers(0, 12),
+    planner=st.booleans(),
+)
+def test_zero3_mlp_stays_zero3_at_every_batch_where_moving_activations_costs_more(sizes, extra, planner):
+    """Greedy propagation and the planner alike: from the first batch (a multiple of N) whose input
+    holds at least Psi elements (gathering it sends at least the parameters' bytes; the tie
+    included), ZeRO-3 compiles to parameter gathers and gradient reduce-scatters, never tensor
+    parallelism over dp."""
+    d_in, d_hidden, d_out = sizes
+    psi = d_in * d_hidden + d_hidden + d_hidden * d_out
+    batch = -(-psi // d_in // N) * N + N * extra  # at least psi / d_in, a multiple of N
+    assert batch * d_in >= psi
+    pspec = {"w1": P("dp"), "b1": P("dp"), "w2": P("dp")}
+    low = _lower(sizes, batch, pspec, P("dp"), BANDWIDTH_ONLY if planner else None)
+    tensors = _tensors(low)
+    gathers = [r for r in tensors if r.kind == "all_gather"]
+    scatters = [r for r in tensors if r.kind == "reduce_scatter"]
+    assert len(gathers) + len(scatters) == len(tensors)
+    assert sum(r.bytes_per_rank for r in gathers) == PHI * (psi + d_hidden * d_out) * 4
     assert sum(r.bytes_per_rank for r in scatters) == PHI * psi * 4
 
 
