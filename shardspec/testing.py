@@ -90,6 +90,10 @@ def _worker(
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout),
             )
+            # gloo's connection handshake is one-sided: a rank whose fn returns at once would destroy
+            # its group while a slower peer is still connecting to it ('Gloo connectFullMesh failed
+            # ... Connection closed by peer'). After a barrier every pair is connected.
+            dist.barrier()
         value = fn(rank, world_size, *args)
         try:
             payload = pickle.dumps(value)
@@ -98,6 +102,7 @@ def _worker(
         else:
             results.put((rank, "ok", payload))
         if dist.is_initialized():
+            dist.barrier()  # no rank tears its sockets down while a peer still reads from them
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -119,9 +124,11 @@ def run_distributed(
     ``start_method`` defaults to ``fork`` where the platform has it (a 4-rank start costs ~0.1 s
     instead of ~5 s of re-importing torch; each worker pins torch to one thread, so no OpenMP pool
     is inherited in use); with ``spawn``, ``fn`` must be a module-level function. With ``backend``
-    set, the default process group is initialized before ``fn`` runs; with ``backend=None`` only
-    the torchrun environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) are
-    set, so ``fn`` can exercise code that initializes torch.distributed itself. Raises
+    set, the default process group is initialized (every pair connected) before ``fn`` runs; with
+    ``backend=None`` only the torchrun environment variables (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, LOCAL_RANK) are set, so ``fn`` can exercise code that initializes torch.distributed
+    itself (and must pass a barrier or collective before destroying the group it made: a rank that
+    tears down while a peer is still connecting makes that peer fail in gloo's connectFullMesh). Raises
     DistributedTestError with the failing rank's traceback, or naming the ranks still running at
     the deadline.
     """

@@ -22,8 +22,36 @@ def test_real_mesh_forms_rank_groups_per_axis():
         assert out["dp_sum"] == sum(expected_dp[rank])
 
 
+def mesh_from_torchrun_env(rank: int, world: int) -> dict[str, object]:
+    """No process group yet: Mesh must initialize it from RANK/WORLD_SIZE/MASTER_*."""
+    import torch.distributed as dist
+
+    from shardspec import Mesh
+
+    assert not dist.is_initialized()
+    mesh = Mesh({"dp": world})
+    assert dist.is_initialized()
+    result = {"backend": dist.get_backend(), "rank": mesh.rank, "names": mesh.device_mesh.mesh_dim_names}
+    dist.barrier()  # before tearing down: see the test's docstring
+    dist.destroy_process_group()
+    return result
+
+
 def test_mesh_initializes_from_torchrun_environment():
-    results = run_distributed(fns.mesh_from_torchrun_env, 2, backend=None, timeout=60)
+    """Workers get only the torchrun environment (the parent holds the TCP store on a port the OS
+    picked, so no worker binds a port that was free a moment ago) and Mesh joins them.
+
+    The rank function passes a barrier before destroying its group. Without it, under load, one rank
+    built its mesh and tore its group down while its peer was still in gloo's connectFullMesh, whose
+    connection handshake is one-sided, and the peer failed with 'Connection closed by peer' (10 of
+    150 runs with two busy loops on both cores; 0 of 300 with the barrier). It passed 20 runs in a
+    row (load average 9 to 13) next to two pytest loops on the 2 cores,
+    `while true; do python -m pytest -q -p no:cacheprovider tests/test_sharded_mlp.py; done` and the
+    same over tests/test_layout.py tests/test_spec.py, with
+    `for i in $(seq 20); do python -m pytest -q -p no:cacheprovider tests/test_multiprocess.py
+    -k torchrun_environment || break; done`.
+    """
+    results = run_distributed(mesh_from_torchrun_env, 2, backend=None, timeout=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["backend"] == "gloo" and r["names"] == ("dp",) for r in results)
 
