@@ -196,3 +196,21 @@ def _real_run(rank: int, world: int, module: str, argv: list[str]) -> list[str]:
 def test_real_runs_print_no_deprecation_warnings(module: str, world: int, argv: list[str]) -> None:
     results = run_distributed(_real_run, world, args=(module, argv), backend=None, timeout=300)
     assert results == [[]] * world
+
+
+def _real_demo(rank: int, world: int, argv: list[str]) -> str:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        demo.main(argv)
+    return out.getvalue()
+
+
+@pytest.mark.multiprocess
+def test_demo_pipelined_on_real_processes_confirms_equivalence() -> None:
+    """The demo's pp mode for real, on the smallest mesh with a pipeline axis (pp=2, 2 gloo
+    processes under the torchrun environment): each result lives on the sub-mesh of the stage that
+    computed it, the loss on the last stage's, and rank 0 (stage 0) still prints it and the check."""
+    argv = ["--mesh", "pp=2", "--steps", "1", "--layers", "1", "--microbatches", "2"]
+    texts = run_distributed(_real_demo, 2, args=(argv,), backend=None, timeout=300)
+    assert "mode: real (pp=2: 2 processes, gloo)" in texts[0] and "step 1/1: loss" in texts[0]
+    assert texts[0].rstrip().splitlines()[-1].startswith("equivalent: after 1 steps every parameter")
+    assert texts[1] == ""  # only rank 0 prints
