@@ -139,7 +139,10 @@ def test_gpt_equal_with_passes_on_and_off(config):
         results[name + "_cost"] = _without_regather(f.lower(params, state, *data(0)))
     _same(results["on"], results["off"])
     assert results["on_cost"].comm_bytes_per_rank == results["off_cost"].comm_bytes_per_rank
-    assert results["on_cost"].collective_count < results["off_cost"].collective_count
+    if config == "tp_megatron":  # every collective is an activation's, needed at once: none to merge
+        assert results["on_cost"].collective_count == results["off_cost"].collective_count
+    else:
+        assert results["on_cost"].collective_count < results["off_cost"].collective_count
 
 
 def _ddp_buckets(sizes, cap):
