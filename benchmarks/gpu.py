@@ -11,8 +11,9 @@ others. Sections:
 - ``nccl``: the same step on a real 1-device mesh (NCCL process group of world size 1): results
   come back as CUDA DTensors equal to the unsharded step.
 - ``speed``: step time of ``@sharded`` on a 1-device mesh (the per-rank program on the GPU) against
-  the eager ``nn.Module`` GPT with ``torch.optim.AdamW`` (default: foreach on CUDA), alternating
-  A B B A, median and min, with each side's peak allocated GPU memory per step.
+  the eager ``nn.Module`` GPT with ``torch.optim.AdamW`` (default: foreach on CUDA), in rounds whose
+  order rotates, median and min, with each side's peak allocated GPU memory per step;
+  ``--backends eager,inductor`` times ours under each ``sharded(backend=...)``.
 - ``bf16``: a mixed-precision step (fp32 master parameters and AdamW state, bf16 compute by a cast
   in the step) sharded on dp=2 x tp=2 against the same step unsharded: the difference is compared
   with the difference between the bf16 step and an fp32 step, i.e. with bf16's own rounding.
@@ -31,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 import shardspec
 from examples.models import gpt
@@ -147,7 +147,10 @@ def _time(fn: Callable[[], Any]) -> tuple[float, int]:
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
 
 
-def section_speed(cfg: gpt.Config, rows: int, rounds: int, steps: int) -> dict[str, Any]:
+def section_speed(
+    cfg: gpt.Config, rows: int, rounds: int, steps: int, backends: tuple[str, ...]
+) -> dict[str, Any]:
+    """Each backend of ours and the torch step, in rounds whose order rotates (A B C, B C A, ...)."""
     dev = DEV
     tok, tgt = batch(cfg, rows, dev)
     init = {k: v.to(dev) for k, v in gpt.init(cfg).items()}
@@ -157,19 +160,31 @@ def section_speed(cfg: gpt.Config, rows: int, rounds: int, steps: int) -> dict[s
 
     mesh = Mesh({"dp": 1}) if dist.is_initialized() else Mesh({"dp": 1}, simulate=True)
     opt = optim.adamw(**HYPER)
-    box: dict[str, Any] = {"p": {k: v.clone() for k, v in init.items()}}
-    box["s"] = opt.init(box["p"])
     rep = {k: P() for k in init}
-    ours = sharded(
-        make_step(cfg, gpt.loss_fn),
-        mesh=mesh,
-        in_specs=(rep, opt.state_specs(rep), P(), P()),
-        out_specs=(rep, opt.state_specs(rep), P()),
-        donate=(0, 1),
-    )
+    sides: dict[str, Callable[[], None]] = {}
+    first_call_s: dict[str, float] = {}
+    for backend in backends:
+        box: dict[str, Any] = {"p": {k: v.clone() for k, v in init.items()}}
+        box["s"] = opt.init(box["p"])
+        fn = sharded(
+            make_step(cfg, gpt.loss_fn),
+            mesh=mesh,
+            in_specs=(rep, opt.state_specs(rep), P(), P()),
+            out_specs=(rep, opt.state_specs(rep), P()),
+            donate=(0, 1),
+            backend=backend,
+        )
 
-    def ours_step() -> None:
-        box["p"], box["s"], _ = ours(box["p"], box["s"], tok, tgt)
+        def step(fn: Any = fn, box: dict[str, Any] = box) -> None:
+            box["p"], box["s"], _ = fn(box["p"], box["s"], tok, tgt)
+
+        t0 = time.perf_counter()
+        step()  # compiles (and, for inductor, records shapes; the next call compiles the regions)
+        step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        first_call_s[backend] = round(time.perf_counter() - t0, 2)
+        sides[f"ours ({backend})"] = step
 
     # torch: the nn.Module GPT, autograd, torch.optim.AdamW (CUDA default: foreach)
     model = gpt.GPT(cfg).to(dev)
@@ -181,18 +196,15 @@ def section_speed(cfg: gpt.Config, rows: int, rounds: int, steps: int) -> dict[s
         F.cross_entropy(model(tok).reshape(-1, cfg.vocab), tgt.reshape(-1)).backward()  # type: ignore[no-untyped-call]
         topt.step()
 
-    with torch.no_grad():
-        first_loss_ours = float(gpt.loss_fn(init, tok, tgt, cfg))
-        logits = functional_call(model, dict(model.named_parameters()), (tok,))
-        first_loss_torch = float(F.cross_entropy(logits.reshape(-1, cfg.vocab), tgt.reshape(-1)))
-    for _ in range(3):
-        ours_step()
-        torch_step()
-    times: dict[str, list[float]] = {"ours": [], "torch": []}
-    peak: dict[str, int] = {"ours": 0, "torch": 0}
-    sides = {"ours": ours_step, "torch": torch_step}
+    sides["torch"] = torch_step
+    for f in sides.values():
+        for _ in range(3):
+            f()
+    names = list(sides)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    peak: dict[str, int] = dict.fromkeys(names, 0)
     for r in range(rounds):
-        for name in ("ours", "torch") if r % 2 == 0 else ("torch", "ours"):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             for _ in range(steps):
                 t, m = _time(sides[name])
                 times[name].append(t)
@@ -211,10 +223,10 @@ def section_speed(cfg: gpt.Config, rows: int, rounds: int, steps: int) -> dict[s
         },
         "ms_median": {k: round(v * 1e3, 3) for k, v in med.items()},
         "ms_min": {k: round(v * 1e3, 3) for k, v in mn.items()},
-        "ratio_median": round(med["ours"] / med["torch"], 3),
-        "ratio_min": round(mn["ours"] / mn["torch"], 3),
+        "ratio_median_vs_torch": {k: round(med[k] / med["torch"], 3) for k in names if k != "torch"},
+        "ratio_min_vs_torch": {k: round(mn[k] / mn["torch"], 3) for k in names if k != "torch"},
         "step_peak_alloc_MiB": {k: round(v / 2**20, 1) for k, v in peak.items()},
-        "first_loss": {"ours": first_loss_ours, "torch": first_loss_torch},
+        "first_two_calls_s": first_call_s,
         "timed_steps_per_side": rounds * steps,
     }
 
@@ -256,6 +268,7 @@ def main() -> None:
     ap.add_argument("--only", default="simulated,nccl,bf16,speed")
     ap.add_argument("--device", default="cuda", help="cpu dry-runs the sections (no NCCL)")
     ap.add_argument("--small", action="store_true", help="only the small speed configuration")
+    ap.add_argument("--backends", default="eager", help="ours' backends to time, e.g. eager,inductor")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -266,13 +279,14 @@ def main() -> None:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
     }
+    backends = tuple(args.backends.split(","))
     sections: dict[str, Callable[[], dict[str, Any]]] = {
         "simulated": section_simulated,
         "nccl": section_nccl,
         "bf16": section_bf16,
         "speed": lambda: {
             "small (4 layers, d 256)": section_speed(
-                gpt.Config(vocab=256, seq=128, d=256, heads=4, layers=4), 8, args.rounds, args.steps
+                gpt.Config(vocab=256, seq=128, d=256, heads=4, layers=4), 8, args.rounds, args.steps, backends
             ),
             **(
                 {}
@@ -283,6 +297,7 @@ def main() -> None:
                         8,
                         args.rounds,
                         args.steps,
+                        backends,
                     )
                 }
             ),
