@@ -12,7 +12,8 @@ others. Sections:
   come back as CUDA DTensors equal to the unsharded step.
 - ``speed``: step time of ``@sharded`` on a 1-device mesh (the per-rank program on the GPU) against
   the eager ``nn.Module`` GPT with ``torch.optim.AdamW`` (default: foreach on CUDA), in rounds whose
-  order rotates, median and min, with each side's peak allocated GPU memory per step;
+  order rotates, median and min, with each side's peak allocated GPU memory per step above what
+  was allocated before it (neither side holds gradients between steps);
   ``--backends eager,inductor`` times ours under each ``sharded(backend=...)``.
 - ``bf16``: a mixed-precision step (fp32 master parameters and AdamW state, bf16 compute by a cast
   in the step) sharded on dp=2 x tp=2 against the same step unsharded: the difference is compared
@@ -192,9 +193,9 @@ def section_speed(
     topt = torch.optim.AdamW(model.parameters(), **HYPER)
 
     def torch_step() -> None:
-        topt.zero_grad(set_to_none=True)
         F.cross_entropy(model(tok).reshape(-1, cfg.vocab), tgt.reshape(-1)).backward()  # type: ignore[no-untyped-call]
         topt.step()
+        topt.zero_grad(set_to_none=True)  # at the end: no gradients held between steps, as ours
 
     sides["torch"] = torch_step
     for f in sides.values():
