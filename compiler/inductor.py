@@ -70,6 +70,7 @@ _VIEW_LIKE = {operator.getitem}
 
 _COMPILED: weakref.WeakKeyDictionary[GraphModule, Callable[..., Any]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+_BY_SIGNATURE: dict[Any, torch.nn.Module] = {}  # compiled regions by what they compute (_Region.signature)
 
 
 def check_backend(backend: Any) -> str:
@@ -224,9 +225,18 @@ class _Region:
         self.outputs = [n for n in seg if any(u not in inside for u in n.users)]
 
     def compile(self, gm: GraphModule, seen: dict[Node, _Layout]) -> torch.nn.Module | None:
-        """The region as an Inductor-compiled module, or None when it returns nothing."""
+        """The region as an Inductor-compiled module, or None when it returns nothing. A region
+        equal to one compiled before (the same ops on inputs of the same layouts: another layer, another
+        microbatch, another rank's program) reuses its code."""
         if not self.outputs:
             return None
+        missing = [x.name for x in self.inputs if x not in seen]
+        if missing:
+            raise TypeError(f"region inputs {missing} are not tensors")
+        key = self.signature(seen)
+        done = _BY_SIGNATURE.get(key)
+        if done is not None:
+            return done
         graph = Graph()
         env: dict[Node, Node] = {}
         for x in self.inputs:
@@ -235,9 +245,6 @@ class _Region:
             env[n] = graph.node_copy(n, lambda x: env[x])
         graph.output(tuple(env[n] for n in self.outputs))
         sub = GraphModule(gm, graph)
-        missing = [x.name for x in self.inputs if x not in seen]
-        if missing:
-            raise TypeError(f"region inputs {missing} are not tensors")
         from torch._inductor.compile_fx import compile_fx
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -249,7 +256,25 @@ class _Region:
         with torch.no_grad():
             fn = compile_fx(sub, example, decompositions=_decompositions())
         del mode
-        return _Compiled(cast(Callable[..., Any], fn), [seen[x][1] for x in self.inputs])
+        done = _BY_SIGNATURE[key] = _Compiled(cast(Callable[..., Any], fn), [seen[x][1] for x in self.inputs])
+        return done
+
+    def signature(self, seen: dict[Node, _Layout]) -> tuple[Any, ...]:
+        """What the compiled code depends on: the ops in order, their arguments with values named
+        by position, which values are returned, and the inputs' layouts."""
+        pos = {x: i for i, x in enumerate([*self.inputs, *self.nodes])}
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, Node):
+                return ("node", pos[a])
+            if isinstance(a, (list, tuple)):
+                return (type(a).__name__, *(arg(x) for x in a))
+            if isinstance(a, dict):
+                return ("dict", *sorted((k, arg(v)) for k, v in a.items()))
+            return repr(a)
+
+        ops = tuple((str(n.target), arg(n.args), arg(n.kwargs)) for n in self.nodes)
+        return ops, tuple(pos[n] for n in self.outputs), tuple(seen[x] for x in self.inputs)
 
 
 class _Compiled(torch.nn.Module):
