@@ -118,11 +118,19 @@ def _greedy(
     members: list[Node], ready: Callable[[Node], int], first_use: Callable[[Node], int], bucket_bytes: int
 ) -> list[list[Node]]:
     """DDP's rule in launch order: a bucket closes once it holds ``bucket_bytes``; a member whose
-    input is ready only after some member's result is needed starts a new one."""
+    input is ready only after some member's result is needed starts a new one, and so does one
+    whose joining would delay the launch by more than half of the bucket's overlap (the ops
+    between its launch and its first use) and more than a sixteenth of the program: a count ready
+    at the start and needed when backward starts is not held back to launch with the loss, ready
+    only at the end of forward. Gradients ready one after another keep joining, as each delays
+    the launch by little."""
+    far = len(members[0].graph.nodes) // 16 if members else 0
     buckets, current = [], _Bucket()
     for n in members:
         r, f = max(current.ready, ready(n)), min(current.first_use, first_use(n))
-        if current.members and r >= f:
+        delay = r - current.ready
+        held = delay > far and 2 * delay > current.first_use - current.ready
+        if current.members and (r >= f or held):
             buckets.append(current.members)
             current = _Bucket()
             r, f = ready(n), first_use(n)
@@ -146,8 +154,10 @@ def bucketing(
 
 
 def bucketing_(gm: GraphModule, bucket_bytes: int, zero_bucket_bytes: int | None = None) -> None:
+    from compiler.passes.hoist import hoist_
     from compiler.passes.sink import sink_
 
+    hoist_(gm)
     sink_(gm)
     for members in plan(gm, bucket_bytes, zero_bucket_bytes):
         _rewrite(gm, members)

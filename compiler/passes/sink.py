@@ -59,6 +59,11 @@ def _sink_cone(gm: GraphModule, c: Node, anchor: Node, keep: set[Node]) -> None:
         cone.add(n)
         todo.extend(n.users)
     moved = sorted((n for n in cone if pos[n] < pos[anchor]), key=pos.__getitem__)
+    if all(u in cone or u.op == "output" for n in cone for u in n.users):
+        # only results read it (the loss): the whole cone can wait for the very end, keeping the
+        # reduction's first use there, so the reduction may share the last gradient bucket
+        moved = sorted(cone, key=pos.__getitem__)
+        anchor = next(n for n in reversed(gm.graph.nodes) if n.op == "output").prev
     for n in moved:
         anchor.append(n)
         anchor = n
