@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from shardspec import Mesh
+from shardspec import Mesh, ShardingError
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -24,8 +25,28 @@ def parse_mesh(text: str) -> dict[str, int]:
         name, _, size = part.partition("=")
         if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
             raise argparse.ArgumentTypeError(f"{text!r}: write axes as name=size pairs, e.g. dp=2,tp=2")
+        if name.strip() in axes:
+            raise argparse.ArgumentTypeError(f"{text!r} names axis {name.strip()!r} twice")
         axes[name.strip()] = int(size)
     return axes
+
+
+def positive(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def run(main: Callable[[], Any]) -> None:
+    """Run an example's ``main()``; a usage mistake the library reports (``ShardingError``: a mesh
+    that does not fit the world, microbatches that do not split the batch, ...) is printed as
+    argparse prints its errors, without an internal traceback, and exits with status 2."""
+    try:
+        main()
+    except ShardingError as exc:
+        print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def parser(doc: str | None, default_mesh: str) -> argparse.ArgumentParser:

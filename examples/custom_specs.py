@@ -11,6 +11,12 @@ naming it). ``--fsdp`` adds ZeRO-3 over ``dp`` on top of the tensor-parallel rul
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __package__ in (None, ""):  # `python examples/custom_specs.py` as well as `python -m examples...`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from typing import Any
 
 import torch
@@ -38,7 +44,7 @@ FSDP_TP = [
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = _cli.parser(__doc__, "dp=2,tp=2")
     ap.add_argument("--fsdp", action="store_true", help="also split parameters over dp (FSDP + TP)")
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=_cli.positive, default=2)
     args = ap.parse_args(argv)  # unknown flags are an error
     if "tp" not in args.mesh or (args.fsdp and "dp" not in args.mesh):
         ap.error("these rules split over a 'tp' axis (and 'dp' with --fsdp): e.g. --mesh dp=2,tp=2")
@@ -74,4 +80,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

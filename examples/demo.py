@@ -18,6 +18,7 @@ accumulation.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 import shardspec
 from examples import _cli
 from examples.models import gpt
-from examples.train_gpt import OPT, batch, make_step, strategy_specs
+from examples.train_gpt import BATCH, OPT, batch, make_step, strategy_specs
 from shardspec import P, Pipeline, sharded
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
@@ -64,21 +65,40 @@ def make_pipelined_step(cfg: gpt.Config, microbatches: int) -> Any:
     return train_step
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = _cli.parser(__doc__, "dp=2,tp=4")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (with pp)")
-    ap.add_argument("--microbatches", type=int, default=4, help="microbatches per step (with pp)")
-    ap.add_argument("--virtual-stages", type=int, default=2, help="stages per position (interleaved)")
-    args = ap.parse_args(argv)  # unknown flags are an error
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Usage errors before anything compiles: axes the demo has no use for, pipeline flags without a
+    pp axis, microbatches that do not split the batch, too few blocks for the stages."""
+    other = sorted(set(args.mesh) - {"dp", "tp", "pp"})
+    if other:
+        ap.error(f"--mesh: the demo splits the batch over dp, layers over tp, blocks over pp; not {other}")
     pp = "pp" in args.mesh
+    given = [f for f in ("schedule", "microbatches", "virtual_stages") if getattr(args, f) is not None]
+    if given and not pp:
+        flag = "--" + given[0].replace("_", "-")
+        ap.error(f"{flag} needs a pp axis in --mesh (e.g. --mesh dp=2,pp=2,tp=2)")
+    args.schedule = args.schedule or "1f1b"
+    args.microbatches = args.microbatches or 4
+    args.virtual_stages = args.virtual_stages or 2
+    if pp and BATCH % args.microbatches:
+        ap.error(f"--microbatches {args.microbatches} does not split the batch of {BATCH} examples evenly")
     stages = args.mesh.get("pp", 1) * (args.virtual_stages if args.schedule == "interleaved" else 1)
     if pp and args.layers < stages - 1:  # one boundary after each block: layers + 1 stages at most
         ap.error(
             f"--schedule {args.schedule} on pp={args.mesh['pp']} needs {stages} stages: "
             f"pass --layers {stages - 1}"
         )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = _cli.parser(__doc__, "dp=2,tp=4")
+    ap.add_argument("--steps", type=_cli.positive, default=3)
+    ap.add_argument("--layers", type=_cli.positive, default=2)
+    ap.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (with pp; default 1f1b)")
+    ap.add_argument("--microbatches", type=_cli.positive, help="microbatches per step (with pp; default 4)")
+    ap.add_argument("--virtual-stages", type=_cli.positive, help="stages per position (default 2)")
+    args = _checked(ap, ap.parse_args(argv))  # unknown flags are an error
+    pp = "pp" in args.mesh
     mesh = _cli.make_mesh(args)
     say = _cli.say_fn(mesh)
     say(_cli.mode_line(mesh))
@@ -132,4 +152,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

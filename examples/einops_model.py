@@ -11,6 +11,12 @@ too, and the batch over ``dp``. The run ends by checking the result against the 
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __package__ in (None, ""):  # `python examples/einops_model.py` as well as `python -m examples...`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from typing import Any
 
 import torch
@@ -40,7 +46,7 @@ def make_step(cfg: vit.Config) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = _cli.parser(__doc__, "dp=2,tp=2")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=_cli.positive, default=3)
     args = ap.parse_args(argv)  # unknown flags are an error
     mesh = _cli.make_mesh(args)
     say = _cli.say_fn(mesh)
@@ -76,4 +82,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

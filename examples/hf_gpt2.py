@@ -16,6 +16,12 @@ ends by checking the sharded parameters against the same steps taken by the plai
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __package__ in (None, ""):  # `python examples/hf_gpt2.py` as well as `python -m examples.hf_gpt2`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from typing import Any
 
 import torch
@@ -86,8 +92,8 @@ def batch(step: int, vocab: int = 64, seq: int = 16, size: int = 8) -> tuple[tor
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = _cli.parser(__doc__, "dp=2,tp=2")
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--steps", type=_cli.positive, default=2)
+    ap.add_argument("--layers", type=_cli.positive, default=2)
     ap.add_argument("--dropout", type=float, default=0.0, help="residual and embedding dropout")
     args = ap.parse_args(argv)  # unknown flags are an error
     mesh = _cli.make_mesh(args)
@@ -126,4 +132,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

@@ -29,8 +29,13 @@ on the first attempt, to try exactly that.
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+
+if __package__ in (None, ""):  # `python examples/train_gpt.py` as well as `python -m examples.train_gpt`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
 import signal
 from typing import Any
 from unittest import mock
@@ -133,8 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = _cli.parser(__doc__, "dp=2,tp=2")
     ap.set_defaults(mesh=None)
     ap.add_argument("--strategy", choices=STRATEGIES, default="dp-tp")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=2, help="transformer blocks (fewer compile faster)")
+    ap.add_argument("--steps", type=_cli.positive, default=8)
+    ap.add_argument("--layers", type=_cli.positive, default=2, help="transformer blocks (fewer: faster)")
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout rate (masks the same on every mesh)")
     ap.add_argument("--ckpt", help="checkpoint root directory (resumes from its newest checkpoint)")
     ap.add_argument("--ckpt-every", type=int, default=0, metavar="K", help="save every K steps")
@@ -221,4 +226,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

@@ -12,6 +12,12 @@ leaves a partial sum that is all-reduced once.
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __package__ in (None, ""):  # `python examples/train_mlp.py` as well as `python -m examples.train_mlp`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from typing import Any
 
 import torch
@@ -32,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = _cli.parser(__doc__, "dp=4")
     ap.set_defaults(mesh=None)
     ap.add_argument("--strategy", choices=sorted(STRATEGIES), default="zero3")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=_cli.positive, default=3)
     args = ap.parse_args(argv)  # unknown flags are an error
     if args.mesh is None:
         args.mesh = {"dp": 2, "tp": 2} if args.strategy == "megatron" else {"dp": 4}
@@ -66,4 +72,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    _cli.run(main)

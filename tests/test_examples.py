@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from examples import custom_specs, demo, einops_model, hf_gpt2, train_gpt, train_mlp
+from examples import _cli, custom_specs, demo, einops_model, hf_gpt2, train_gpt, train_mlp
 from examples.models import gpt, mlp
 from shardspec import optim
 from shardspec.testing import run_distributed
@@ -63,6 +63,61 @@ def test_demo_pipelined_dp_pp_tp_prints_stages_schedule_and_confirms_equivalence
     assert sorted(lists["position 0"].split()) == ["B0.0", "B0.1", "F0.0", "F0.1"]
     assert sorted(lists["position 1"].split()) == ["B1.0", "B1.1", "F1.0", "F1.1"]
     assert text.rstrip().splitlines()[-1].startswith("equivalent: after 1 steps every parameter equals")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "argument --steps: '0' is not a positive integer"),
+        (["--mesh", "dp=2,dp=2"], "names axis 'dp' twice"),
+        (["--mesh", "x=2"], "blocks over pp; not ['x']"),
+        (["--microbatches", "2"], "--microbatches needs a pp axis in --mesh"),
+        (["--mesh", "pp=2", "--microbatches", "3"], "--microbatches 3 does not split the batch of 8"),
+    ],
+)
+def test_demo_usage_mistakes_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag that would be ignored, or fail deep inside the run, is refused before anything runs."""
+    with pytest.raises(SystemExit) as exc:
+        demo.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_library_error_reads_as_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--real` outside torchrun: the ShardingError's message and fix, as argparse prints errors
+    (exit status 2), without the library's traceback."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["demo.py", "--real"])
+    with pytest.raises(SystemExit) as exc:
+        _cli.run(demo.main)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("demo.py: error: Mesh(") and "Fix: launch with" in err
+    assert "Traceback" not in err
+
+
+def test_every_example_runs_as_a_script_from_anywhere() -> None:
+    """`python examples/<name>.py` (not only `python -m examples.<name>` from the repository root)
+    finds the examples package: each example's --help, run as a script from /."""
+    names = ["demo", "train_gpt", "train_mlp", "hf_gpt2", "einops_model", "custom_specs"]
+    code = (
+        "import runpy, sys\n"
+        f"for name in {names!r}:\n"
+        f"    path = {str(ROOT / 'examples')!r} + '/' + name + '.py'\n"
+        "    sys.argv = [path, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(path, run_name='__main__')\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0, (name, exc.code)\n"
+        "    sys.modules.pop('examples', None)\n"
+        "    print('ok', name)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "PYTHONPATH")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ok ")] == names
 
 
 def test_demo_too_few_layers_for_the_stages_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
