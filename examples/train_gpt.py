@@ -54,6 +54,7 @@ ROW = ("attn.proj.weight", "mlp.proj.weight")  # input columns split: the partia
 
 
 STRATEGIES = ("dp", "zero1", "zero3", "tp", "dp-tp", "tp-sp", "zero3-tp")
+NEEDS = {"tp": ("tp", "dp-tp", "tp-sp", "zero3-tp"), "dp": ("dp", "zero1", "zero3", "zero3-tp")}  # mesh axes
 parse_mesh = _cli.parse_mesh
 
 
@@ -154,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)  # unknown flags are an error
     if args.mesh is None:
         args.mesh = _default_mesh(args.strategy)
+    for axis, needs in NEEDS.items():
+        if args.strategy in needs and axis not in args.mesh:  # else it would run another strategy
+            mesh = ",".join(f"{k}={v}" for k, v in args.mesh.items())
+            ap.error(f"--strategy {args.strategy} splits over a {axis!r} mesh axis; the mesh {mesh} has none")
     if args.kill_step is not None and args.simulate:
         ap.error("--kill-step needs real processes (torchrun), not --simulate")
     if args.kill_during_save and not (args.ckpt and args.ckpt_every and args.kill_step):

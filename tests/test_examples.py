@@ -84,6 +84,16 @@ def test_demo_usage_mistakes_are_usage_errors(
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("strategy", "mesh"), [("zero3", "tp=2"), ("tp", "dp=2"), ("zero3-tp", "tp=4")])
+def test_train_gpt_refuses_a_strategy_whose_axis_the_mesh_lacks(
+    strategy: str, mesh: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without its axis a strategy would silently run as another (zero3 on tp=2: all replicated)."""
+    with pytest.raises(SystemExit) as exc:
+        train_gpt.main(["--strategy", strategy, "--mesh", mesh])
+    assert exc.value.code == 2 and f"the mesh {mesh} has none" in capsys.readouterr().err
+
+
 def test_a_library_error_reads_as_a_usage_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
