@@ -1,6 +1,7 @@
 """Counter-based randomness: dropout masks and torch.rand* values inside a step are the same on every
 mesh and spec (bit for bit), depend on the key and the op's trace order, and have the right
-distributions; the dropout GPT matches its unsharded run."""
+distributions; the dropout GPT's step equals the unsharded one bit for bit where no sum is split, and
+up to the first split sum where one is (then to float rounding, within the summation bound)."""
 
 from __future__ import annotations
 
