@@ -19,11 +19,12 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from collectives.ops import mesh_key
+from compiler.decompose import is_addmm_add
+from compiler.passes.graph import LazyProgram
 from compiler.propagate import CONSTRAIN, Propagation, shape
 from compiler.reshard import Step, plan
 from compiler.sharding import Sharding
 from compiler.sources import source_of
-from compiler.trace import is_addmm_add
 from shardspec.layout import local_shape
 from shardspec.mesh import Mesh
 
@@ -157,7 +158,8 @@ class _Partitioner:
                 for v, s in zip(node.args[0], self.prop.outputs, strict=True):
                     outs.append(self.reshard(v, s, "the step's result", source_of(v)))
                 self.graph.output(tuple(outs))
-        return GraphModule(root, self.graph), self.inserted
+        # code is generated when the program first runs or prints: the passes rewrite it first
+        return LazyProgram(root, self.graph), self.inserted
 
     def call(self, node: Node) -> None:
         if node.target is operator.getitem:

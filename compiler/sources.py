@@ -2,9 +2,10 @@
 
 ``SourceTracker`` (a TorchFunctionMode) sees each user-level torch call, stores the innermost user
 frame as the fx stack trace for the nodes that call creates, and tags the autograd node of the result
-with it. ``BackwardSources`` (a TorchDispatchMode) sees the ATen ops of the backward pass and labels
-them "backward of <line>" from the autograd node being executed, so a gradient's collectives point at
-the forward line that caused them. Both need ``torch.fx.traceback.preserve_node_meta()`` around the
+with it plus a pre-hook: when backward runs that node, the hook labels the ATen ops it records
+"backward of <line>", so a gradient's collectives point at the forward line that caused them. (A hook
+per autograd node instead of a dispatch mode seeing every ATen op, forward ones included: the mode
+cost about a tenth of the whole trace.) Needs ``torch.fx.traceback.preserve_node_meta()`` around the
 trace.
 """
 
@@ -21,7 +22,6 @@ import optree
 import torch
 import torch.fx.traceback as fxt
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY_DIRS = tuple(
@@ -60,23 +60,30 @@ def user_frame(tb: Any = None) -> str:
 
 class SourceTracker(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch._C._current_autograd_node() is not None:
+            # a torch call inside backward (an autograd.Function's backward): its ops keep the
+            # "backward of" label the running node's hook set
+            return func(*args, **(kwargs or {}))
         where = user_frame()
         fxt.set_stack_trace([where])
         out = func(*args, **(kwargs or {}))
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 meta: dict[str, Any] = t.grad_fn.metadata  # type: ignore[assignment]
-                meta.setdefault("shardspec_source", where)
+                if "shardspec_source" not in meta:
+                    meta["shardspec_source"] = where
+                    t.grad_fn.register_prehook(_Label("backward of " + where))
         return out
 
 
-class BackwardSources(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        node = torch._C._current_autograd_node()
-        meta: dict[str, Any] = node.metadata if node is not None else {}  # type: ignore[assignment]
-        if "shardspec_source" in meta:
-            fxt.set_stack_trace(["backward of " + meta["shardspec_source"]])
-        return func(*args, **(kwargs or {}))
+class _Label:
+    """An autograd node's pre-hook: the ops of its backward are recorded under ``text``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __call__(self, grad_outputs: Any) -> None:
+        fxt.set_stack_trace([self.text])
 
 
 def source_of(node: torch.fx.Node) -> str:

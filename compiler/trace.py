@@ -13,7 +13,6 @@ data-dependent Python control flow, in-place mutation of an argument, non-tensor
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import operator
 import weakref
@@ -24,119 +23,17 @@ from typing import Any, cast
 import optree
 import torch
 import torch.fx.traceback as fxt
-from torch._decomp import core_aten_decompositions
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
+from compiler.decompose import decompositions
 from compiler.rewrites import RANDOM_OPS, Rewrites
-from compiler.sources import BackwardSources, SourceTracker, source_of, user_frame
+from compiler.sources import SourceTracker, source_of, user_frame
 from shardspec.errors import ShardingError, fail
 
 _STATIC = (int, float, bool, str, type(None))
 aten = torch.ops.aten
-
-
-def _mean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
-    """mean as sum / global count, so a split reduction dim still divides by the global size."""
-    dims = list(range(x.dim())) if dim in (None, []) or x.dim() == 0 else [d % x.dim() for d in dim]
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
-    return torch.sum(x, dims, keepdim, dtype=dtype) / count
-
-
-def _addmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
-) -> torch.Tensor:
-    """addmm as mm + add, so a split contraction dim leaves a pending sum the bias does not join.
-    The add is marked (``is_addmm_add``) so the per-rank program fuses it back into one addmm, and
-    only it: a hand-written ``x @ w + b`` rounds the product before the add, as eager does."""
-    out = torch.mm(a, b)
-    out = out * alpha if alpha != 1 else out
-    bias = bias * beta if beta != 1 else bias
-    with fxt.annotate({ADDMM_MARK: True}):
-        return out + bias
-
-
-ADDMM_MARK = "shardspec_addmm"
-
-
-def is_addmm_add(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is the add of an addmm (or linear) the user called, split by ``_addmm``.
-    The mark lives in ``node.meta["custom"]``, which tracing copies onto the nodes an op becomes
-    (the functionalize replay included)."""
-    return bool(node.meta.get("custom", {}).get(ADDMM_MARK))
-
-
-def _layer_norm_backward(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    normalized_shape: Sequence[int],
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    output_mask: Sequence[bool],
-) -> Any:
-    """native_layer_norm_backward as the fused kernel for the input's gradient alone plus two sums.
-
-    The input's gradient keeps the leading (batch) dims, the weight and bias gradients sum over them:
-    one rule cannot say both, so a split batch would have to be gathered. Asking the kernel for the
-    input's gradient only (traced as one node, with a rule) and summing ``grad * x_hat`` and ``grad``
-    over the leading dims (pending sums on a split batch) keeps the fused kernel and the split."""
-    if list(output_mask) == [True, False, False]:
-        return NotImplemented  # traced as the fused op itself
-    lead = list(range(x.dim() - len(normalized_shape)))
-    grad_input = (
-        aten.native_layer_norm_backward(
-            grad_out, x, normalized_shape, mean, rstd, weight, bias, [True, False, False]
-        )[0]
-        if output_mask[0]
-        else None
-    )
-    wide = torch.float32 if grad_out.dtype in (torch.float16, torch.bfloat16) else grad_out.dtype
-
-    def total(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        t = t.to(wide)
-        return (torch.sum(t, lead) if lead else t).to(like.dtype)
-
-    grad_weight = (
-        total(grad_out * ((x - mean) * rstd), weight) if output_mask[1] and weight is not None else None
-    )
-    grad_bias = total(grad_out, bias) if output_mask[2] and bias is not None else None
-    return grad_input, grad_weight, grad_bias
-
-
-_EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
-    aten.mean.dim: _mean,
-    aten.mean.default: lambda x, *, dtype=None: _mean(x, dtype=dtype),
-    aten.addmm.default: _addmm,
-    aten.native_layer_norm_backward.default: _layer_norm_backward,
-}
-
-# Fused kernels kept as one node: each has a rule (compiler/rules), so decomposing it would only
-# replace one kernel by a chain of elementwise ops the per-rank program then runs one by one.
-KEPT_FUSED: tuple[Any, ...] = (
-    aten.gelu_backward.default,
-    aten.tanh_backward.default,
-    aten.sigmoid_backward.default,
-    aten.silu_backward.default,
-    aten.threshold_backward.default,
-    aten._softmax_backward_data.default,
-    aten._log_softmax_backward_data.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-)
-
-
-@functools.cache
-def decompositions() -> dict[Any, Callable[..., Any]]:
-    """Core-ATen decompositions plus ours, minus the fused kernels that have rules (built once:
-    collecting torch's table walks every op's overloads)."""
-    table = cast(dict[Any, Callable[..., Any]], dict(core_aten_decompositions()))
-    for op in KEPT_FUSED:
-        table.pop(op, None)
-    table.update(_EXTRA_DECOMPOSITIONS)
-    return table
 
 
 @dataclass(frozen=True)
@@ -262,10 +159,11 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
     decomp = decompositions()
 
     def with_sources(*tensors: torch.Tensor) -> Any:
-        with SourceTracker(), Rewrites(), BackwardSources():  # type: ignore[no-untyped-call]
+        with SourceTracker(), Rewrites():
             return flat_fn(*tensors)
 
-    with fxt.preserve_node_meta():
+    # a lazy module: its Python code is generated only if the global graph is ever run or printed
+    with fxt.preserve_node_meta(), _use_lazy_graph_module(True):
         # tensors the step closes over become constants of the graph (replicated on every rank)
         first = make_fx(
             with_sources, tracing_mode="fake", decomposition_table=decomp, _allow_non_fake_inputs=True

@@ -8,12 +8,14 @@ pass creates by ``make``, so no pass re-runs the whole program under fake tensor
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 aten = torch.ops.aten
@@ -32,19 +34,85 @@ LAUNCHES = {
 _HIDDEN_ALIASES = {aten._unsafe_view.default}
 
 
+class LazyProgram(_LazyGraphModule):
+    """A program whose Python code is generated when it first runs or prints, not each time a
+    stage or pass rewrites it (about 0.2 s per generation on a 24-layer GPT step). Simulated ranks
+    run one shared program from several threads: the first run generates the code under a lock
+    (code generation rewrites the nodes' printers, so two at once would emit a broken program)."""
+
+    _generating = threading.Lock()
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with LazyProgram._generating:
+            self.real_recompile()
+        return self(*args, **kwargs)
+
+    forward = _lazy_forward
+
+
 def copy_module(gm: GraphModule) -> GraphModule:
     """A new program with the same nodes (meta included) and the same constants."""
     graph = Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    return GraphModule(gm, graph)
+    return LazyProgram(gm, graph)
 
 
 def annotate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]]) -> None:
-    """Set ``meta["val"]`` on every node from the program's input shapes and dtypes."""
+    """Set ``meta["val"]`` on every node from the program's input shapes and dtypes.
+
+    Each op runs its meta kernel on meta tensors (shapes, strides and storage sharing, no data),
+    without the fake-tensor dispatch layer: about half the time of fake-tensor propagation on a deep
+    program. Each result is wrapped as a fake tensor of one mode, so a pass can compute a new node's
+    value under it (``make``). An op that fails on meta tensors (no meta kernel) falls back to fake
+    propagation of the whole program, which raises where shapes really do not propagate."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(torch.empty(tuple(s), dtype=d)) for s, d in inputs]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    try:
+        _meta_propagate(gm, inputs, mode)
+    except Exception:
+        fakes = [mode.from_tensor(torch.empty(tuple(s), dtype=d)) for s, d in inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+_META, _CPU = torch.device("meta"), torch.device("cpu")
+
+
+def _meta_propagate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]], mode: Any) -> None:
+    env: dict[Node, Any] = {}
+    holders = iter(inputs)
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: arg(v) for k, v in a.items()}
+        return _META if isinstance(a, torch.device) else a  # factories build meta tensors too
+
+    def fake(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return FakeTensor(mode, v, _CPU)
+        if isinstance(v, (list, tuple)):
+            return type(v)(fake(x) for x in v)
+        return v if isinstance(v, (int, float, bool)) else None
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            shape, dtype = next(holders)
+            env[n] = torch.empty(tuple(shape), dtype=dtype, device=_META)
+        elif n.op == "get_attr":
+            t = getattr(gm, n.target)
+            env[n] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
+        elif n.op == "call_function":
+            env[n] = n.target(*arg(n.args), **arg(n.kwargs))
+        elif n.op == "output":
+            env[n] = arg(n.args[0])
+        else:
+            raise NotImplementedError(n.op)  # a module or method call: fake propagation handles it
+        value = fake(env[n])
+        if value is not None:
+            n.meta["val"] = value
 
 
 def val(n: Any) -> Any:
