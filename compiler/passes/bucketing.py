@@ -119,17 +119,15 @@ def _greedy(
 ) -> list[list[Node]]:
     """DDP's rule in launch order: a bucket closes once it holds ``bucket_bytes``; a member whose
     input is ready only after some member's result is needed starts a new one, and so does one
-    whose joining would delay the launch by more than half of the bucket's overlap (the ops
-    between its launch and its first use) and more than a sixteenth of the program: a count ready
-    at the start and needed when backward starts is not held back to launch with the loss, ready
-    only at the end of forward. Gradients ready one after another keep joining, as each delays
-    the launch by little."""
-    far = len(members[0].graph.nodes) // 16 if members else 0
+    whose joining would leave a bucket that had room to overlap (at least a sixteenth of the
+    program between its launch and its first use) with almost none (less than a thirty-second):
+    a count ready at the start and needed when backward starts is not held back to launch with
+    the loss, ready only at the end of forward. Gradients ready one after another keep joining."""
+    near = len(members[0].graph.nodes) // 32 if members else 0
     buckets, current = [], _Bucket()
     for n in members:
         r, f = max(current.ready, ready(n)), min(current.first_use, first_use(n))
-        delay = r - current.ready
-        held = delay > far and 2 * delay > current.first_use - current.ready
+        held = current.first_use - r < near and current.first_use - current.ready >= 2 * near
         if current.members and (r >= f or held):
             buckets.append(current.members)
             current = _Bucket()
