@@ -11,6 +11,7 @@ communication agree by construction. Bytes are per rank, by the ring formulas, f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -48,6 +49,15 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, src: Sharding, dst: Shardin
     """Collectives (and local slices) taking a value from ``src`` to ``dst``."""
     if src == dst:
         return []
+    return list(_plan(tuple(shape), dtype, src, dst, mesh))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan(
+    shape: tuple[int, ...], dtype: torch.dtype, src: Sharding, dst: Sharding, mesh: Mesh
+) -> tuple[Step, ...]:
+    """``plan``, memoized: a pure function of immutable values, asked again for every candidate
+    layout of every op (a deep model's identical layers ask the same questions)."""
     steps: list[Step] = []
     cur = src
     extra = [a for a in dst.partial if a not in cur.partial]
@@ -158,7 +168,7 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, src: Sharding, dst: Shardin
             cur = replace(cur, dims=tuple(dims))
     assert cur == dst, (src, dst, cur)
     # over axes of size 1 every collective is the identity: a 1-device mesh communicates nothing
-    return [s for s in steps if mesh.axis_size(s.axes) > 1]
+    return tuple(s for s in steps if mesh.axis_size(s.axes) > 1)
 
 
 def cost(steps: list[Step]) -> tuple[float, int]:

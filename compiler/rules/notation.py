@@ -16,6 +16,7 @@ index_put's values), ``"none"``.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class Rule:
     replicated: frozenset[str]
     linear: str = "none"
 
-    @property
+    @functools.cached_property
     def factors(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for side in (self.operands, self.outputs):
@@ -42,12 +43,12 @@ class Rule:
                         seen.setdefault(f)
         return tuple(seen)
 
-    @property
+    @functools.cached_property
     def reductions(self) -> frozenset[str]:
         out = {f for dims in self.outputs for dim in dims for f in dim}
         return frozenset(f for dims in self.operands for dim in dims for f in dim if f not in out)
 
-    @property
+    @functools.cached_property
     def minor(self) -> frozenset[str]:
         """Non-leading factors of merged dims: they cannot be split (the dim would not be a block)."""
         return frozenset(
@@ -80,8 +81,10 @@ def _parse_side(text: str) -> tuple[tuple[tuple[Dim, ...], ...], set[str]]:
     return tuple(tensors), marked
 
 
+@functools.lru_cache(maxsize=4096)
 def parse(text: str, linear: str = "none") -> Rule:
-    """Parse one rule line (see module docstring)."""
+    """Parse one rule line (see module docstring). Memoized: rules are immutable values, and a deep
+    model asks for the same few lines once per op."""
     if "->" not in text:
         raise ValueError(f"rule {text!r} has no '->'")
     lhs, rhs = text.split("->")
