@@ -1,15 +1,14 @@
 """Memory per rank of the example GPT under DP, ZeRO-1, ZeRO-2 and ZeRO-3, with and without remat
 and donation: model-state bytes against ZeRO's formulas, and the peak ``cost()`` predicts against
-the peak measured while the step runs; then DP and ZeRO-3 on gloo against DDP and FSDP2.
+the peak measured while the step runs; then DP and ZeRO-3 on gloo against DDP and FSDP2
+(resident memory, ``benchmarks/memory_rss.py``).
 
-    python -m benchmarks.memory_table            # writes docs/memory.md (a few minutes)
+    python -m benchmarks.memory_table            # writes docs/memory.md (several minutes)
     python -m benchmarks.memory_table --quick    # one row per part, printed (the CI smoke test)
 
 Measured peak: the largest sum of bytes of the storages some tensor still references, taken after
 every op of one rank's program by a TorchDispatchMode (``LiveStorage``): on a simulated mesh for
-rank 0 (dispatch modes are per thread), on gloo in each process. RSS: the growth of the process's
-peak resident set during one step (``benchmarks/_compare_measure.peak_rss_delta``) plus the bytes of
-parameters and optimizer state held before it, for both sides alike.
+rank 0 (dispatch modes are per thread), on gloo in each process.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import optree
 import torch
@@ -28,6 +27,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardspec
+from benchmarks import memory_rss as rss
+from benchmarks import memory_schedule as ms
 from collectives.simulated import run_simulated
 from examples.models import gpt
 from shardspec import Mesh, P, constrain, optim, sharded
@@ -224,66 +225,21 @@ def fp32_step(remat: bool) -> Callable[..., Any]:
     return step
 
 
-def rss_versus_torch(rank: int, world: int, strategy: str, steps: int = 3) -> dict[str, Any]:
-    """fp32 AdamW, world ``world``: our DP/ZeRO-3 step (donated, remat off) against DDP / FSDP2
-    ``fully_shard`` per block, each side's parameters + optimizer state and step RSS growth."""
-    from torch.distributed.tensor import DTensor
-
-    from benchmarks._compare_measure import peak_rss_delta
-    from benchmarks._compare_sides import make_batch, torch_side
-    from shardspec import from_local
-
-    batch = make_batch(CFG, ROWS_PER_RANK * world)
-    torch_cfg_side = torch_side(strategy, CFG, world, batch)
-    for _ in range(steps):
-        torch_cfg_side.step()
-    torch_state = torch_cfg_side.state_bytes()
-    torch_peak = peak_rss_delta(torch_cfg_side.step) or 0
-    del torch_cfg_side
-
-    mesh = Mesh({"dp": world})
-    params = gpt.init(CFG)
-    pspec = {k: (P("dp") if strategy == "zero3" else P()) for k in params}
-    f = sharded(
-        fp32_step(False),
-        mesh=mesh,
-        in_specs=(pspec, OPT.state_specs(pspec), P("dp"), P("dp")),
-        out_specs=(pspec, OPT.state_specs(pspec), P()),
-        donate=(0, 1),
-    )
-    tok, tgt = (from_local(t.chunk(world)[rank].contiguous(), P("dp"), mesh) for t in batch)
-    live: list[Any] = [params, OPT.init(params)]
-    predicted = f.lower(live[0], live[1], tok, tgt).cost().peak_memory_bytes_per_rank
-
-    def step() -> None:
-        live[0], live[1], _ = f(live[0], live[1], tok, tgt)
-
-    for _ in range(steps):
-        step()
-    leaves: list[Any] = optree.tree_leaves(cast(Any, live), none_is_leaf=False)
-    ours_state = sum(int((t.to_local() if isinstance(t, DTensor) else t).numel()) * 4 for t in leaves)
-    ours_peak = peak_rss_delta(step) or 0
-    return {
-        "ours_state": ours_state,
-        "ours_step_rss": ours_peak,
-        "ours_predicted_peak": predicted,
-        "torch_state": torch_state,
-        "torch_step_rss": torch_peak,
-    }
-
-
-def _gloo(rank: int, world: int, rows: list[Row], compare: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"rows": gloo_rows(rank, world, rows)}
-    if compare:
-        out["vs_torch"] = {s: rss_versus_torch(rank, world, s) for s in ("dp", "zero3")}
-    return out
+def _gloo(rank: int, world: int, rows: list[Row]) -> dict[str, Any]:
+    return {"rows": gloo_rows(rank, world, rows)}
 
 
 def _mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
 
-def render(sim: list[Row], gloo: dict[int, list[dict[str, Any]]]) -> str:
+def render(
+    sim: list[Row],
+    gloo: dict[int, list[dict[str, Any]]],
+    versus: dict[int, dict[str, dict[str, Any]]] | None = None,
+    load: str = "",
+    schedule: list[str] | None = None,
+) -> str:
     psi = sim[0].psi
     lines = [
         "# Memory per rank",
@@ -353,34 +309,10 @@ def render(sim: list[Row], gloo: dict[int, list[dict[str, Any]]]) -> str:
                 f"{'yes' if r0.donate else 'no'} | {_mib(r0.predicted)} | {_mib(r0.measured)} / "
                 f"{_mib(rl.measured)} | {err:.1%} |"
             )
-    lines += [
-        "",
-        "## Against DDP and FSDP2 (fp32 AdamW, gloo)",
-        "",
-        "Our step: fp32 parameters and AdamW state, `donate=(0, 1)`, parameters replicated (DP) or"
-        " split over dp (ZeRO-3). Torch: the `nn.Module` GPT with `torch.optim.AdamW` under"
-        " `DistributedDataParallel` or FSDP2 `fully_shard` per block and root"
-        " (`benchmarks/_compare_sides.py`). State: parameters + optimizer state held between steps."
-        " Step RSS: growth of the process's peak resident set during one step, after warm-up steps"
-        " (`benchmarks/_compare_measure.py`: VmHWM reset, malloc_trim first). Rank 0.",
-        "",
-        "| world | ours | state (MiB) | step RSS (MiB) | state + step | torch | state (MiB) |"
-        " step RSS (MiB) | state + step | ours at most torch's |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for world, per_rank in sorted(gloo.items()):
-        cmp = per_rank[0].get("vs_torch")
-        if not cmp:
-            continue
-        for s, name in (("dp", "DDP"), ("zero3", "FSDP2")):
-            c = cmp[s]
-            ours, theirs = c["ours_state"] + c["ours_step_rss"], c["torch_state"] + c["torch_step_rss"]
-            lines.append(
-                f"| {world} | {s} | {_mib(c['ours_state'])} | {_mib(c['ours_step_rss'])} | "
-                f"{_mib(c['ours_state'] + c['ours_step_rss'])} | {name} | {_mib(c['torch_state'])} | "
-                f"{_mib(c['torch_step_rss'])} | {_mib(c['torch_state'] + c['torch_step_rss'])} | "
-                f"{'yes' if ours <= theirs else 'no'} |"
-            )
+    if versus:
+        lines += ["", *rss.render(versus, load)]
+    if schedule:
+        lines += ["", *schedule]
     lines += [
         "",
         "## Reading the tables",
@@ -390,8 +322,8 @@ def render(sim: list[Row], gloo: dict[int, list[dict[str, Any]]]) -> str:
         " without donation, the new parameters and moments written beside the old ones.",
         "- DP and ZeRO-1 peak at the update, so donation lowers them and remat does not (it lowers the"
         " activation column); ZeRO-2 and ZeRO-3 peak in backward, where remat helps too.",
-        "- Against torch the comparison is of resident memory, allocator included, on one run: the last"
-        " column says whether our step's state + step RSS is at most the torch side's.",
+        "- Against torch the comparison is of resident memory, allocator included: the last column"
+        " says whether our peak (held + step) is at most the torch side's.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -399,13 +331,14 @@ def render(sim: list[Row], gloo: dict[int, list[dict[str, Any]]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one row per part, printed, nothing written")
+    ap.add_argument("--rss-worlds", default="2,4", help="world sizes of the comparison with torch")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "memory.md"))
     a = ap.parse_args(argv)
     from shardspec.testing import run_distributed
 
     if a.quick:
         sim_rows = [Row("zero3", 2, True, True)]
-        gloo_plan = {2: ([Row("zero3", 2, False, True)], False)}
+        gloo_plan = {2: [Row("zero3", 2, False, True)]}
     else:
         sim_rows = [
             Row(s, n, remat, donate)
@@ -414,16 +347,25 @@ def main(argv: list[str] | None = None) -> None:
             for remat, donate in ((False, False), (False, True), (True, True))
         ]
         gloo_rows_ = [Row(s, 0, remat, True) for s in STRATEGIES for remat in (False, True)]
-        gloo_plan = {2: (gloo_rows_, True), 4: ([Row(s, 0, False, True) for s in STRATEGIES], True)}
+        gloo_plan = {2: gloo_rows_, 4: [Row(s, 0, False, True) for s in STRATEGIES]}
     sim = []
     for row in sim_rows:
         sim.append(simulated_row(row))
         print(sim[-1], file=sys.stderr)
     gloo = {}
-    for world, (rows, compare) in gloo_plan.items():
-        gloo[world] = run_distributed(_gloo, world, args=(rows, compare), timeout=900)
+    for world, rows in gloo_plan.items():
+        gloo[world] = run_distributed(_gloo, world, args=(rows,), timeout=900)
         print(world, gloo[world][0], file=sys.stderr)
-    text = render(sim, gloo)
+    versus = {}
+    for world in [] if a.quick else [int(w) for w in a.rss_worlds.split(",") if w]:
+        versus[world] = rss.versus_torch(world, CFG, ROWS_PER_RANK)
+        print(world, versus[world], file=sys.stderr)
+    schedule = []
+    if not a.quick:
+        budget, peaks = ms.budget_rows(CFG, OPT, 4, ROWS_PER_RANK), ms.peak_with_n(OPT)
+        schedule = [*ms.render(budget, peaks, 4), "", *ms.acceptance(sim, gloo, versus, peaks, FORMULAS)]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = render(sim, gloo, versus, load, schedule)
     if a.quick:
         print(text)
         return

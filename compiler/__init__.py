@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from compiler.constrain import constrain
@@ -13,7 +14,9 @@ from compiler.grad import value_and_grad
 from compiler.inductor import check_backend
 from compiler.lowered import CollectiveInfo, Cost, Lowered
 from compiler.passes import options as pass_options
+from compiler.passes.budget import check_budget
 from compiler.runtime import ShardedFunction
+from shardspec.errors import fail
 from shardspec.mesh import Mesh
 
 
@@ -32,6 +35,7 @@ def sharded(
     pipeline: Any = None,
     cost_model: Any = None,
     backend: str = "eager",
+    memory_budget: int | None = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: arguments laid out by ``in_specs``, results by ``out_specs``.
 
@@ -80,8 +84,20 @@ def sharded(
     unchanged; results equal eager up to floating-point rounding (fused loops round differently).
     A region Inductor cannot compile runs eagerly, with a warning. ``"eager"`` (default) runs the
     program op by op (see compiler/inductor.py and docs/benchmarks.md for when Inductor pays).
+    ``memory_budget=b`` (bytes per rank) trades memory for bytes under a limit: ZeRO-3's parameters
+    are kept gathered from forward to backward (one all-gather fewer each) except the fewest that
+    must be gathered again for the predicted peak to stay within ``b``; when no schedule fits, an
+    error names the lowest predicted peak and what would lower it.
     """
 
+    if memory_budget is not None:
+        if pipeline is not None:
+            raise fail(
+                f"sharded(memory_budget={memory_budget!r}) with pipeline= is not supported: a "
+                "pipelined step's stages are scheduled by the pipeline pass, not by the budget.",
+                "drop memory_budget for the pipelined step, or run it without pipeline=.",
+            )
+        passes = replace(pass_options(passes), memory_budget=check_budget(memory_budget))
     pass_options(passes)  # a misspelled option fails here, not at the first call
     check_backend(backend)
 

@@ -11,8 +11,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from collectives import accounting
+from compiler.passes import liveness
 from compiler.passes.cast import AGAIN as CAST
-from compiler.passes.graph import LAUNCHES, aliases_input
+from compiler.passes.graph import LAUNCHES
 from compiler.passes.regather import AGAIN
 from compiler.passes.remat import AGAIN as REMAT_AGAIN
 from compiler.sharding import Sharding
@@ -207,44 +208,7 @@ class Lowered:
             for i, s in zip(p.traced.inputs, p.in_specs, strict=True)
         ]
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-        nodes = list(gm.graph.nodes)
-        # a view (or in-place result) adds no bytes; it keeps the buffer it aliases alive
-        root: dict[torch.fx.Node, torch.fx.Node] = {}
-        for n in nodes:
-            src = n.all_input_nodes[0] if n.all_input_nodes else None
-            alias = n.op == "call_function" and src is not None and aliases_input(n)
-            root[n] = root[src] if alias and src is not None and _shares_storage(n, src) else n
-        last: dict[torch.fx.Node, int] = {}
-        for i, n in enumerate(nodes):
-            for a in n.all_input_nodes:
-                last[root[a]] = i
-        pos = {n: i for i, n in enumerate(nodes)}
-        for n in nodes:  # an async collective reads its input until it is waited for
-            if n.op == "call_function" and n.kwargs.get("async_op") and n.users:
-                done = max(pos[u] for u in n.users)
-                for a in n.all_input_nodes:
-                    last[root[a]] = max(last[root[a]], done)
-        outputs = {root[a] for a in nodes[-1].all_input_nodes}
-
-        def size(n: torch.fx.Node) -> int:
-            if root[n] is not n or (only is not None and n not in only):
-                return 0
-            v = n.meta.get("val")
-            vals = v if isinstance(v, (tuple, list)) else [v]
-            return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
-
-        free_at: dict[int, set[torch.fx.Node]] = {}
-        for a, i in last.items():
-            if a.op != "placeholder" and a not in outputs:
-                free_at.setdefault(i, set()).add(a)
-        live = sum(size(n) for n in nodes if n.op == "placeholder")
-        curve: list[tuple[torch.fx.Node | None, int]] = [(None, live)]
-        for i, n in enumerate(nodes):
-            if n.op in ("call_function", "get_attr"):
-                live += size(n)
-                curve.append((n, live))  # the op's result and its inputs are live together
-            live -= sum(size(a) for a in free_at.get(i, ()))
-        return curve
+        return liveness.curve(gm, only)
 
     def pipeline_schedule(self) -> PipelineSchedule:
         """A pipelined step's action lists per position (with their sends and receives), the planned
@@ -360,15 +324,6 @@ def _held_shape(p: Program, n: torch.fx.Node, reader: torch.fx.Node, rank: int) 
         held = plan.required[plan.operands.index(n)]
     spec = held.spec if isinstance(held, Sharding) else P()
     return local_shape(shape, p.mesh, spec, rank)
-
-
-def _shares_storage(n: torch.fx.Node, src: torch.fx.Node) -> bool:
-    """Whether a may-alias op really returned a view: ``reshape`` of a non-contiguous input copies,
-    which the fake values' storages show."""
-    a, b = n.meta.get("val"), src.meta.get("val")
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return True
-    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
 
 
 def _p2p(program: Program) -> list[CollectiveInfo]:

@@ -215,9 +215,9 @@ def compile_program(
     )  # regather tells forward from backward uses by these
     opts = program_passes.options(passes)
     remat = regions(traced.module)  # ops inside shardspec.remat, recomputed for backward
-    programs = list(program_passes.optimize_programs(programs, local_inputs, opts, backward, remat))
-    if donated:
-        programs = list(program_passes.donate_programs(programs, local_inputs, traced, donated))
+    programs = list(
+        program_passes.schedule_programs(programs, local_inputs, opts, backward, remat, traced, donated)
+    )
     return Program(
         traced,
         prop,

@@ -20,12 +20,19 @@ exists (``slice_early``), so the whole value is not held to the end of the step.
 caps the buckets of parameter gathers and gradient reduce-scatters, which hold their tensors
 unsharded (default: a phase's in about 8 launches, 1 MiB to ``bucket_bytes`` each).
 
+Memory: with ``bucket``, each gradient is copied into its bucket's flat buffer as soon as it is
+computed (``pack_early``; ``{"pack_early": False}`` packs the bucket when its last member is
+ready). ``memory_budget`` (bytes per rank; ``sharded(memory_budget=...)`` sets it) makes
+``regather`` a choice per parameter: the fewest parameters gathered again for backward that keep
+the predicted peak within the budget, or an error when no schedule fits (``passes/budget.py``).
+
 Uneven layouts give ranks different programs; bucket sizes could then differ between ranks, so
 where the ranks' collective sequences would differ, bucketing is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -34,12 +41,15 @@ import torch
 from torch.fx import GraphModule
 
 from compiler.passes.bucketing import bucketing, bucketing_
+from compiler.passes.budget import check_budget, fewest_regathers
 from compiler.passes.cast import cast, cast_
 from compiler.passes.donate import donate_
 from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
+from compiler.passes.liveness import peak as live_peak
 from compiler.passes.overlap import overlap, overlap_
-from compiler.passes.regather import mark_backward, regather, regather_
+from compiler.passes.pack_early import pack_early, pack_early_
+from compiler.passes.regather import candidates, mark_backward, regather, regather_
 from compiler.passes.remat import Regions, remat, remat_
 from compiler.passes.slice_early import slice_early, slice_early_
 from compiler.passes.views import dense_kernel_inputs_, dense_results, dense_results_, views, views_
@@ -61,6 +71,8 @@ class PassOptions:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     zero_bucket_bytes: int | None = None
     reduce_dtype: torch.dtype | None = None  # gradient reductions in this dtype (None: as computed)
+    pack_early: bool = True  # a gradient copied into its bucket as soon as computed (with bucket)
+    memory_budget: int | None = None  # peak bytes per rank: regather chosen per parameter to fit
 
 
 def options(spec: Any) -> PassOptions:
@@ -80,6 +92,8 @@ def options(spec: Any) -> PassOptions:
                 "use torch.bfloat16 (half the bytes), torch.float32 (sums without bf16 rounding), "
                 "or None (reduce gradients in the dtype they are computed in).",
             )
+        if "memory_budget" in spec:
+            check_budget(spec["memory_budget"])
         if not unknown:
             return replace(PassOptions(), **dict(spec))
     elif isinstance(spec, Sequence) and not isinstance(spec, str):
@@ -92,7 +106,8 @@ def options(spec: Any) -> PassOptions:
     raise fail(
         f"sharded(passes={spec!r}) names no pass option ({sorted(map(str, unknown))}).",
         f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
-        "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes' and 'reduce_dtype').",
+        "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes', 'reduce_dtype', 'pack_early' and "
+        "'memory_budget').",
     )
 
 
@@ -105,10 +120,12 @@ def optimize(
     opts: PassOptions,
     backward: frozenset[str] = frozenset(),
     regions: Regions | None = None,
+    regather_only: frozenset[str] | None = None,
 ) -> GraphModule:
     """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes;
     ``backward``: the names of the traced ops that ran in backward, for ``regather`` and ``remat``;
-    ``regions``: traced op name -> (remat region, kept by its policy), for ``remat``)."""
+    ``regions``: traced op name -> (remat region, kept by its policy), for ``remat``;
+    ``regather_only``: the parameter gathers to issue again, None for all)."""
     if not any((opts.views, opts.remat, opts.regather, opts.cast, opts.bucket, opts.inplace, opts.overlap)):
         return gm
     try:
@@ -127,7 +144,7 @@ def optimize(
     if opts.remat and regions:
         remat_(gm, regions)
     if opts.regather:
-        regather_(gm)
+        regather_(gm, regather_only)
         slice_early_(gm)
     if opts.cast:
         cast_(gm, opts.reduce_dtype)
@@ -136,11 +153,13 @@ def optimize(
             bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
             gm.graph.lint()
         except RuntimeError:  # a bucket placed a use before its launch: run this program unbucketed
-            return optimize(original, inputs, replace(opts, bucket=False), backward, regions)
+            return optimize(original, inputs, replace(opts, bucket=False), backward, regions, regather_only)
     if opts.inplace:
         inplace_(gm)
     if opts.overlap:
         overlap_(gm)
+    if opts.bucket and opts.pack_early:
+        pack_early_(gm)
     if opts.views or opts.bucket:
         dense_results_(gm)
         dense_kernel_inputs_(gm)
@@ -154,15 +173,62 @@ def optimize_programs(
     opts: PassOptions,
     backward: frozenset[str] = frozenset(),
     regions: Regions | None = None,
+    regather_only: frozenset[str] | None = None,
 ) -> tuple[GraphModule, ...]:
     """Every rank's program; one shared program when the ranks share one (even layouts)."""
     if all(p is programs[0] for p in programs):
-        done = optimize(programs[0], inputs[0], opts, backward, regions)
+        done = optimize(programs[0], inputs[0], opts, backward, regions, regather_only)
         return (done,) * len(programs)
     # uneven layouts: fake collectives give every rank block 0's shape, so a rank whose block is
     # shorter would pack buckets by wrong sizes (even where propagation does not fail); never bucket
     opts = replace(opts, bucket=False)
-    return tuple(optimize(p, i, opts, backward, regions) for p, i in zip(programs, inputs, strict=True))
+    return tuple(
+        optimize(p, i, opts, backward, regions, regather_only) for p, i in zip(programs, inputs, strict=True)
+    )
+
+
+def schedule_programs(
+    programs: Sequence[GraphModule],
+    inputs: Sequence[Inputs],
+    opts: PassOptions,
+    backward: frozenset[str],
+    regions: Regions | None,
+    traced: Any,
+    donated: Sequence[int],
+) -> tuple[GraphModule, ...]:
+    """Every rank's finished program: the passes, then donation; under ``memory_budget`` the
+    re-gathers that keep the predicted peak within it (``passes/budget.py``)."""
+
+    def build(only: frozenset[str] | None) -> tuple[GraphModule, ...]:
+        done = optimize_programs(programs, inputs, opts, backward, regions, only)
+        return donate_programs(done, inputs, traced, donated) if donated else done
+
+    if opts.memory_budget is None:
+        return build(None)
+    budget: int = opts.memory_budget
+    opts = replace(opts, regather=True)
+    first = copy_module(programs[0])
+    with contextlib.suppress(Exception):  # uneven blocks: shapes may not propagate; not needed here
+        annotate(first, inputs[0])
+    if opts.views:
+        views_(first)
+    mark_backward(first, set(backward))
+    if opts.remat and regions:
+        remat_(first, regions)
+    order = candidates(first)
+    built: dict[int, tuple[GraphModule, ...]] = {}
+    peaks: dict[int, int] = {}
+
+    def peak(k: int) -> int:
+        if k not in peaks:
+            built[k] = build(frozenset(order[:k]))
+            distinct = {id(gm): (gm, ins) for gm, ins in zip(built[k], inputs, strict=True)}
+            for gm, ins in distinct.values():
+                annotate(gm, ins)
+            peaks[k] = max(live_peak(gm) for gm, _ in distinct.values())
+        return peaks[k]
+
+    return built[fewest_regathers(budget, len(order), peak)]
 
 
 def donate_programs(
@@ -223,8 +289,10 @@ __all__ = [
     "optimize",
     "options",
     "overlap",
+    "pack_early",
     "regather",
     "remat",
+    "schedule_programs",
     "slice_early",
     "views",
 ]

@@ -13,6 +13,8 @@ backward layer computes, not issued at the top of backward.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -39,21 +41,48 @@ def regather(gm: GraphModule) -> GraphModule:
     return gm
 
 
-def regather_(gm: GraphModule) -> None:
-    graph = gm.graph
-    for g in [n for n in graph.nodes if n.op == "call_function" and n.target is ops.all_gather.default]:
+def candidates(gm: GraphModule) -> list[str]:
+    """The gathers ``regather_`` would issue again, longest held first: the one whose forward
+    copy would wait longest between its last forward use and its first backward use (for
+    ``memory_budget``, which re-gathers only as many as the budget needs)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    held: list[tuple[int, str]] = []
+    for g, backward, forward in _eligible(gm):
+        first = min(order[u] for u, _ in backward)
+        last = max(order[u] for u, _ in forward)
+        held.append((first - last, g.name))
+    return [name for _, name in sorted(held, key=lambda x: -x[0])]
+
+
+Uses = list[tuple[Node, list[Node]]]  # (an op, the views from the gather to it)
+
+
+def _eligible(gm: GraphModule) -> list[tuple[Node, Uses, Uses]]:
+    """Each parameter gather read in forward and in backward, with its backward and forward uses."""
+    out = []
+    for g in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.all_gather.default]:
         src = g.args[0]
         if not isinstance(src, Node) or param_views(src) is None:
             continue  # only parameters: a computed value would have to be kept to gather it again
         uses = _compute_uses(g)
         backward = [(u, path) for u, path in uses if u.meta.get(BACKWARD)]
-        if not backward or len(backward) == len(uses):
+        forward = [(u, path) for u, path in uses if not u.meta.get(BACKWARD)]
+        if backward and forward:
+            out.append((g, backward, forward))
+    return out
+
+
+def regather_(gm: GraphModule, only: Collection[str] | None = None) -> None:
+    """``only``: the names of the gathers to issue again (None: every one that is read in both)."""
+    graph = gm.graph
+    for g, backward, _ in _eligible(gm):
+        if only is not None and g.name not in only:
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min((u for u, _ in backward), key=order.__getitem__)
         copies: dict[Node, Node] = {}
         with graph.inserting_before(first):
-            again = graph.call_function(g.target, g.args, dict(g.kwargs))
+            again = graph.call_function(ops.all_gather.default, g.args, dict(g.kwargs))
             again.meta = {**g.meta, REGATHER: True, BACKWARD: True}
             again.meta["shardspec_members"] = [g.name + AGAIN]  # reports list it as its own launch
             copies[g] = again

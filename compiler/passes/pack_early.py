@@ -1,0 +1,141 @@
+"""Pack early: each gradient is copied into its bucket's flat buffer as soon as it is computed.
+
+Bucketing packs a gradient bucket with one ``cat`` placed after its last member is computed, so at
+that moment every member gradient and the flat buffer they are copied into are live together: for
+DP's one 25 MiB bucket that is two full copies of the gradients at the end of backward, the step's
+peak. DDP avoids the second copy by accumulating each gradient into its persistent bucket as
+autograd produces it. Here the flat buffer is allocated where the bucket's first member is computed
+and each member is copied into its slice of it right after it is computed, so a member's own buffer
+dies at once (when nothing else reads it) and the bucket holds the gradients once. The buffer lives
+no longer than before in total: the members it replaces were live from their computation anyway.
+
+Runs after ``overlap``, on the scheduled program (no later pass moves nodes by their data
+dependencies, which would not see the copies the launch depends on). Applies to ``cat``s feeding a
+gradient launch (``all_reduce_inplace``, or ``reduce_scatter`` of the flattened rows) whose pieces
+are views of computed values; parameter gathers pack program inputs, live throughout anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from compiler.passes import liveness
+from compiler.passes.graph import aliases_input, copy_module, make, mutates, val
+
+aten = torch.ops.aten
+ops = torch.ops.shardspec
+_GRADIENT_LAUNCHES = {ops.all_reduce_inplace.default, ops.reduce_scatter.default}
+
+
+def pack_early(gm: GraphModule) -> GraphModule:
+    """The program with gradient buckets filled as their members are computed (see the module doc)."""
+    gm = copy_module(gm)
+    pack_early_(gm)
+    gm.recompile()
+    return gm
+
+
+def pack_early_(gm: GraphModule) -> None:
+    for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
+        if _feeds_gradient_launch(cat):
+            _fill_as_computed(gm, cat)
+    gm.graph.lint()
+
+
+def _feeds_gradient_launch(cat: Node) -> bool:
+    users = list(cat.users)
+    while len(users) == 1 and users[0].target is aten.reshape.default:  # reduce_scatter's flat view
+        users = list(users[0].users)
+    return len(users) == 1 and users[0].target in _GRADIENT_LAUNCHES
+
+
+def _chain(piece: Node) -> list[Node] | None:
+    """The single-use views from a computed value to ``piece`` (value first), else None."""
+    chain = [piece]
+    while True:
+        x = chain[-1]
+        if x.op != "call_function" or len(x.users) != 1:
+            return None
+        inputs = x.all_input_nodes
+        if len(inputs) != 1 or not aliases_input(x) or mutates(x):
+            break
+        chain.append(inputs[0])
+    src = chain[-1]
+    if src.op != "call_function" or aliases_input(src):
+        return None  # a program input (or a view of one): live from the start, nothing to gain
+    return chain[::-1]
+
+
+def pos_of(graph: Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _best_start(gm: GraphModule, cat: Node, chains: list[list[Node]]) -> int:
+    """Which member's computation (in program order) to allocate the flat buffer at: the one giving
+    the lowest peak. Earlier members wait there to be copied (live as before), later ones are
+    copied as they are computed; from there on the buffer is held instead of the members."""
+    graph = gm.graph
+    pos = pos_of(graph)
+    live = [0] * len(pos)
+    for n, b in liveness.curve(gm)[1:]:
+        assert n is not None
+        live[pos[n]] = b
+    made = sorted((pos[c[0]], liveness.nbytes(c[-1])) for c in chains)
+    end, total = pos[cat], liveness.nbytes(cat)
+    best, best_peak = 0, None
+    for k, (start, _) in enumerate(made):
+        before = max(live[:start], default=0)
+        after = live[start] + total  # the buffer made while the members so far are still held
+        held, i = 0, 0
+        for t in range(start + 1, end):
+            while i < len(made) and made[i][0] <= t:
+                held += made[i][1]
+                i += 1
+            after = max(after, live[t] - held + total)
+        peak = max(before, after)
+        if best_peak is None or peak < best_peak:
+            best, best_peak = k, peak
+    return best
+
+
+def _fill_as_computed(gm: GraphModule, cat: Node) -> None:
+    graph = gm.graph
+    pieces = cat.args[0]
+    dim = int(cat.args[1]) if len(cat.args) > 1 else 0  # type: ignore[arg-type]
+    out = val(cat)
+    if not isinstance(pieces, (list, tuple)) or not isinstance(out, torch.Tensor):
+        return
+    found = [_chain(p) if isinstance(p, Node) else None for p in pieces]
+    chains = [c for c in found if c is not None]
+    if len(chains) != len(pieces) or len({id(p) for p in pieces}) != len(pieces):
+        return
+    pos = pos_of(graph)
+    order = sorted(range(len(chains)), key=lambda j: pos[chains[j][0]])
+    k = _best_start(gm, cat, [chains[j] for j in order])
+    first = chains[order[k]][0]
+    with graph.inserting_after(first):
+        buf = make(graph, aten.new_empty.default, (first, list(out.shape)))
+    buf.meta["shardspec_flat_bucket"] = True
+    anchor = buf  # members computed by then are copied right after the buffer, in order
+    offsets = [0]
+    for p in pieces:
+        offsets.append(offsets[-1] + int(val(p).shape[dim]))
+    for rank, j in enumerate(order):
+        chain = chains[j]
+        src = chain[0]
+        after = anchor if rank <= k else src
+        with graph.inserting_before(after.next):  # in order, right after ``after``
+            x = src
+            for v in chain[1:]:  # the piece's views, now where it is copied
+                x = make(graph, v.target, (x, *v.args[1:]), dict(v.kwargs))
+            part = make(graph, aten.slice.Tensor, (buf, dim, offsets[j], offsets[j + 1]))
+            copied = make(graph, aten.copy_.default, (part, x))
+        if rank <= k:
+            anchor = copied
+    cat.replace_all_uses_with(buf)
+    graph.erase_node(cat)
+    for chain in chains:
+        for v in reversed(chain[1:]):
+            if not v.users:
+                graph.erase_node(v)
