@@ -29,12 +29,11 @@ class PendingSums(PropagatorBase):
         partial = [i for i, s in enumerate(current) if s.partial]
         if not partial or rule.linear == "none":
             return {}
-        reduced = {o for (o, r) in self.memo if not r.partial}  # already reduced: reuse that
         ok = [
             i
             for i in partial
             if not used & set(current[i].partial)
-            and operands[i] not in reduced
+            and not self.reduced_before(operands[i])
             and not self.must_reduce_now(operands[i], node)
         ]
         if rule.linear == "all":
@@ -49,6 +48,12 @@ class PendingSums(PropagatorBase):
         if _numel(node) > _numel(operands[ok[0]]):
             return {}  # the pending sum would grow: reducing the operand now sends fewer bytes
         return {ok[0]: current[ok[0]].partial}
+
+    def reduced_before(self, value: Node) -> bool:
+        """Whether an earlier op already reduced ``value`` (reuse that). Read from ``moved`` (the
+        layouts memo holds per value), not by scanning memo: that grew with the graph, and scanning
+        it for every pending operand made this quadratic in depth."""
+        return any(not r.partial for r in self.moved.get(value, ()))
 
     def must_reduce_now(self, value: Node, consumer: Node) -> bool:
         """True when another consumer of ``value`` cannot take it Partial, or when the consumers
