@@ -81,3 +81,45 @@ def test_argument_mutation_names_the_argument_and_line():
 def test_non_tensor_leaf_and_result():
     assert "params['w1']: a leaf of type object" in _msg(lambda params: params["w1"], ({"w1": object()},))
     assert "result[1]: the step returned a float" in _msg(lambda x: (x, 1.5), (X,))
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul(2)  # a torch call inside backward
+
+
+def test_backward_ops_are_labelled_with_the_forward_line_that_caused_them():
+    """Each backward op records "backward of <line>" of the forward call whose autograd node ran
+    it, torch calls inside an autograd.Function's backward included; forward ops their own line."""
+    from compiler.sources import source_of
+    from shardspec import value_and_grad
+
+    def loss(w, x):
+        h = torch.tanh(x @ w)  # LINE tanh
+        return _Doubled.apply(h).sum()  # LINE doubled
+
+    def grad_step(w, x):
+        return value_and_grad(loss)(w, x)
+
+    graph = trace(grad_step, (torch.randn(4, 3), X)).module.graph
+    aten = torch.ops.aten
+    labels: dict = {}
+    for n in graph.nodes:
+        if n.op == "call_function":
+            labels.setdefault(n.target, []).append(source_of(n))
+    tanh = labels[aten.tanh.default][0]
+    assert tanh.endswith("# LINE tanh")
+    assert labels[aten.tanh_backward.default] == ["backward of " + tanh]
+    forward_mul, backward_mul = labels[aten.mul.Tensor]
+    assert forward_mul.endswith("# LINE doubled")
+    assert backward_mul == "backward of " + forward_mul  # not the line inside _Doubled.backward
+    assert labels[aten.mm.default][-1].startswith("backward of ")  # the weight's gradient
