@@ -51,13 +51,20 @@ def again(value: Node, consumer: Node, regather: bool) -> bool:
 BUCKET_BYTES = 25 * 2**20  # the bucketing pass's default launch size (DDP's)
 
 
+def _input_like(value: Node) -> bool:
+    """A step input, or a view, transpose or cast of one (a weight's ``.t()``)."""
+    while value.op == "call_function" and value.target in VIEWS and isinstance(value.args[0], Node):
+        value = value.args[0]
+    return value.op == "placeholder"
+
+
 def _bucket(value: Node, consumer: Node | None, phase: bool) -> tuple[object, ...]:
     """The group of launches the bucketing pass merges this reshard into: gathers of step inputs
     (parameters: by phase, as backward's re-gathers are their own buckets), reductions of finished
     gradients (a backward value read after backward: the optimizer), results on their way out;
     any other reshard shares a launch only with those its own consumer needs (a loss's sum and
     count, reduced together), since the rest are needed at once."""
-    if value.op == "placeholder":
+    if _input_like(value):
         return ("input", phase)
     if consumer is None:
         return ("output", False)
