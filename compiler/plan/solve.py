@@ -11,7 +11,8 @@ An op merged into its producer (``follows``: a view or unary op that keeps its o
 no variables of its own: it runs the plan matching its operand's state. Objective: reshard seconds
 + compute seconds, plus a tiny bonus on the greedy choice so equal plans resolve to it
 deterministically. Solved by HiGHS through
-``scipy.optimize.milp`` under a time limit; no answer means the caller keeps the greedy plan.
+``scipy.optimize.milp`` under a node limit (deterministic: every rank stops at the same plan) and a
+time limit (a guard: when it binds, or no answer is found, the caller keeps the greedy plan).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from compiler.plan.evaluate import flops_of, reshard_s
 from compiler.propagate_state import OpPlan
 from compiler.sharding import Sharding
 from shardspec.mesh import Mesh
+
+# branch-and-bound nodes HiGHS may explore: a limit by work, not time, so every rank (each compiles
+# its own program) stops at the same plan; the time limit is only a guard, and greedy's plan wins
+# when it binds
+NODE_LIMIT = 20_000
 
 # a state of a value: the sharding and the variable that selects it (None: always, an input)
 State = tuple[Sharding, int | None]
@@ -149,10 +155,11 @@ class Problem:
             constraints=LinearConstraint(a_mat, np.asarray(lo), np.asarray(hi)),
             integrality=np.ones(n),
             bounds=Bounds(np.zeros(n), np.ones(n)),
-            options={"time_limit": time_limit_s, "disp": False},
+            options={"time_limit": time_limit_s, "node_limit": NODE_LIMIT, "disp": False},
         )
-        if res.x is None:
-            return None
+        if res.x is None or "time limit" in str(res.message).lower():
+            return None  # where the clock stops depends on load: keep greedy's plan, on every rank
+        # a node limit stops at the same point on every rank: its best plan so far is deterministic
         chosen = {node: int(np.argmax([res.x[x] for x in xs])) for node, xs in self.choice.items()}
         for node, ys in self.follows.items():  # a merged op runs the plan of its operand's state
             chosen[node] = int(np.argmax([res.x[y] if y is not None else 1.0 for y in ys]))
