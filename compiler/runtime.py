@@ -85,7 +85,8 @@ class ShardedFunction:
             inputs.check_not_dtensor(self.fn, args, self.mesh)
         key = inputs.signature(self.fn, args)
         if key not in self._cache:
-            globals_ = tuple(_global_view(a) for a in args)
+            device = None if self.mesh.simulated else self.mesh.device_mesh.device_type
+            globals_ = tuple(_global_view(a, device) for a in args)
             token = _TRACING.set(self.mesh)
             try:
                 self._cache[key] = compile_program(
@@ -124,6 +125,8 @@ class ShardedFunction:
             )
         program, key = self._program(args)
         tensors = [leaves[i] for i in program.traced.tensor_positions]
+        if program.donated:
+            _check_donated_alone(tensors, program)
         for i in program.donated:  # after this call their storage may hold its results
             _mark_donated(tensors[i], program.traced.in_paths[i], self.__name__)
         if self.mesh.simulated:
@@ -207,6 +210,35 @@ def _suspect(leaves: list[Any]) -> bool:
     )
 
 
+def _check_donated_alone(tensors: list[Any], program: Program) -> None:
+    """A donated buffer is written in place: no other argument may overlap its memory (a tensor
+    passed twice, tied weights, m and v as one tensor), or one update would overwrite another's
+    input. Views of one buffer that do not overlap (a flat buffer sliced into parameters) are fine.
+    One sort of the arguments' byte ranges, so the check costs little per call."""
+    spans = []
+    for i, t in enumerate(tensors):
+        local = t._local_tensor if _is_dtensor(t) else t
+        if local.numel():
+            extent = 1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride(), strict=True))
+            start = local.data_ptr()
+            spans.append((start, start + extent * local.element_size(), i))
+    spans.sort()
+    donated = set(program.donated)
+    reach, last = -1, -1
+    for start, end, i in spans:
+        if start < reach and (i in donated or last in donated):
+            a, b = sorted((i, last))
+            paths = program.traced.in_paths
+            raise fail(
+                f"{paths[b]} shares memory with {paths[a]}, and one of them is donated "
+                "(sharded(donate=...)): the step writes donated buffers in place, so one update "
+                "would overwrite the other's input.",
+                f"pass distinct tensors (e.g. {paths[b]}.clone()), or do not donate that argument.",
+            )
+        if end > reach:
+            reach, last = end, i
+
+
 def _check_not_donated(args: tuple[Any, ...], fn: Callable[..., Any]) -> None:
     """A donated tensor's storage now holds another call's results: using it again is an error."""
     if not _DONATED:
@@ -224,13 +256,17 @@ def _check_not_donated(args: tuple[Any, ...], fn: Callable[..., Any]) -> None:
             )
 
 
-def _global_view(arg: Any) -> Any:
-    """Arguments as traced: DTensors become fake-free stand-ins of their global shape."""
+def _global_view(arg: Any, device: str | None = None) -> Any:
+    """Arguments as traced: DTensors become fake-free stand-ins of their global shape, and on a
+    real mesh a plain tensor on another device than the mesh's a stand-in on the mesh's device,
+    where the runtime moves it (so the trace picks that device's kernels, e.g. attention)."""
     from torch.distributed.tensor import DTensor
 
     def conv(x: Any) -> Any:
         if isinstance(x, DTensor):
             return torch.empty(x.shape, dtype=x.dtype, device=x.to_local().device)
+        if device is not None and isinstance(x, torch.Tensor) and x.device.type != device:
+            return torch.empty_like(x, device=device)
         return x
 
     return optree.tree_map(conv, arg, none_is_leaf=False)

@@ -106,6 +106,13 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
             )
     tensor_leaves = [leaves[i] for i in positions]
     out_info: dict[str, Any] = {}
+    # one graph input per leaf: a tensor object passed twice (tied weights) would otherwise become
+    # one input, and the program, cached by signature, would be wrong for later distinct leaves
+    seen: set[int] = set()
+    distinct = []
+    for t in tensor_leaves:
+        distinct.append(t.detach() if id(t) in seen else t)
+        seen.add(id(t))
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
@@ -124,7 +131,7 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
         return list(out_leaves)
 
     try:
-        module = _functional_graph(flat_fn, tensor_leaves)
+        module = _functional_graph(flat_fn, distinct)
     except ShardingError:
         raise
     except Exception as exc:

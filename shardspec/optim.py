@@ -179,7 +179,7 @@ def adamw_multi_inplace_kernel(
             m,
             v,
             [],
-            [step] * len(p),
+            [step.to(x.device) for x in p],  # the kernel reads the count where p lives
             lr=lr,
             beta1=beta1,
             beta2=beta2,
