@@ -101,7 +101,7 @@ class _Lazy:
     happens after this rank's last collective, so no other rank waits on it."""
 
     def __init__(self, gm: GraphModule) -> None:
-        self.gm = gm
+        self.gm: GraphModule | None = gm
         self.segments = _segments(gm)
         self.regions = [_Region(seg) if _compilable(seg) else None for seg in self.segments]
         self.driver: GraphModule | None = None
@@ -109,7 +109,11 @@ class _Lazy:
     def __call__(self, *args: Any) -> Any:
         if self.driver is not None:
             return self.driver(*args)
-        needed = {x for r in self.regions if r is not None for x in r.inputs}
+        with _LOCK:  # another rank's thread may have just compiled the same program
+            gm, segments, regions, driver = self.gm, self.segments, self.regions, self.driver
+        if driver is not None or gm is None:
+            return cast(GraphModule, self.driver)(*args)
+        needed = {x for r in regions if r is not None for x in r.inputs}
         seen: dict[Node, _Layout] = {}
 
         class _Record(torch.fx.Interpreter):
@@ -119,10 +123,12 @@ class _Lazy:
                     seen[n] = (tuple(result.shape), tuple(result.stride()), result.dtype, result.device)
                 return result
 
-        outs = _Record(self.gm).run(*args)
+        outs = _Record(gm).run(*args)
         with _LOCK:
             if self.driver is None:
-                self.driver = _build(self.gm, self.segments, self.regions, seen)
+                self.driver = _build(gm, segments, regions, seen)
+                # the program's nodes are no longer needed: the cache entry must not keep it alive
+                self.gm, self.segments, self.regions = None, [], []
         return outs
 
 
