@@ -2,8 +2,9 @@
 
 Inductor compiles a tiny step in tens of seconds on two cores, so the cases are few and small: the
 MLP step under DP, Megatron TP and ZeRO-3 on simulated meshes (two steps, the second from the first's
-results), one uneven mesh (one compile per distinct program), a donated step, the eager fallback of a
-region that cannot be compiled, and DP on two gloo processes against one process.
+results), one uneven mesh (one compile per distinct program), a donated step, a 1F1B pipeline, the
+counter-based random ops, the eager fallback of a region that cannot be compiled, and DP on two gloo
+processes against one process.
 """
 
 from __future__ import annotations
