@@ -17,16 +17,18 @@ Why regions rather than one whole-graph compile with torch's traceable functiona
 - our collectives stay ours: uneven and permuted layouts, byte accounting, in-place bucket
   reductions, all unchanged.
 
-What it costs: fusion does not cross a collective. A step's compute sits in few long regions
-(forward, backward between bucket launches, the optimizer), so little is lost.
+What it costs: fusion does not cross a cut. Most of a step's ops are extern kernels (matmuls,
+attention, layer norm) that fuse with nothing, so little is lost.
 
-Other ops: ``shardspec::adamw_multi_`` (the donated update: torch's fused AdamW kernel, in place)
-runs eagerly between regions, as a cut; ``shardspec::adamw`` (the functional update) is decomposed
-for Inductor into its math (torch.optim.AdamW's single-tensor formula), so the updates of all
-parameters fuse into a few loops; ``shardspec::matmul`` has a fake implementation and runs as an
-extern kernel; the counter-based random ops are plain ATen integer math and compile. A region
-Inductor cannot compile runs eagerly (the rest stays compiled), with one warning per program naming
-the region's first op and the reason.
+Ops that write into a buffer (``copy_`` of a gradient into its bucket's slice, of a result into a
+donated input; ``shardspec::adamw_multi_``, the donated update, torch's fused AdamW kernel) run in
+place between regions, as cuts: inside a region functionalization would turn each write into a
+rewrite of the whole buffer and a copy back into the region's input. ``shardspec::adamw`` (the
+functional update) is decomposed for Inductor into its math (torch.optim.AdamW's single-tensor
+formula), so the updates of all parameters fuse into a few loops; ``shardspec::matmul`` has a fake
+implementation and runs as an extern kernel; the counter-based random ops are plain ATen integer
+math and compile. A region Inductor cannot compile runs eagerly (the rest stays compiled), with one
+warning per program naming the region's first op and the reason.
 
 Inputs: Inductor's code is specialized to the strides seen at compile time; a call whose input has
 other strides (a simulated shard that is a non-contiguous view) gets a copy at the compiled strides
@@ -186,11 +188,12 @@ def _is_cut(n: Node) -> bool:
     target = n.target
     if not isinstance(target, torch._ops.OpOverload):
         return target not in _VIEW_LIKE
-    if target.namespace == "shardspec":
-        # and ours that write into their arguments (the donated AdamW update runs torch's fused
-        # kernel in place: nothing left for Inductor to fuse)
-        return target._opname in _CUT_OPS or target._schema.is_mutable
-    return False
+    if target._schema.is_mutable:
+        # an op writing into a buffer runs in place as it is: in a region, functionalization would
+        # rewrite the whole buffer for each write (a gradient copied into its bucket's slice) and
+        # copy it back into a region input; and the donated AdamW update is torch's fused kernel
+        return True
+    return target.namespace == "shardspec" and target._opname in _CUT_OPS
 
 
 def _segments(gm: GraphModule) -> list[list[Node]]:
