@@ -28,8 +28,10 @@ class _Recorder(Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         origin = n.meta.get("shardspec_origin") if self.by_origin else n.name
-        if origin is not None:
-            self.values[origin] = out
+        if origin is not None:  # a copy: later in-place collectives overwrite their operands
+            self.values[origin] = optree.tree_map(
+                lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out, none_is_leaf=False
+            )
         return out
 
 

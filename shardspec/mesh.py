@@ -316,6 +316,9 @@ def _connect(mesh: Mesh) -> tuple[int, DeviceMesh]:
             store, rank, size = next(rendezvous("env://"))
             prefixed = PrefixStore(f"shardspec-attempt-{attempt}/", store)
             dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size)
+        # every rank connected before any goes on: gloo's handshake is one-sided, so a rank that
+        # finished quickly and tore its group down failed a peer still connecting
+        dist.barrier()
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
     return dist.get_rank(), device_mesh
