@@ -135,3 +135,23 @@ def test_gradients_are_copied_into_their_bucket_as_soon_as_computed():
     want = off(*[optree.tree_map(torch.clone, a) for a in args])
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_budget_on_uneven_blocks_is_refused_with_the_fix():
+    opt = optim.sgd(lr=0.1)
+
+    def step(p, x):
+        loss, g = shardspec.value_and_grad(lambda p, x: (x @ p["w"] + p["b"]).pow(2).sum())(p, x)
+        return opt.update(g, {}, p)[0], loss
+
+    sp = {"w": P("dp"), "b": P("dp")}  # b's 5 entries over dp=2: blocks of 3 and 2
+    f = sharded(
+        step,
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(sp, P("dp")),
+        out_specs=(sp, P()),
+        memory_budget=10**9,
+    )
+    with pytest.raises(ShardingError, match="divide evenly") as e:
+        f({"w": torch.randn(4, 5), "b": torch.randn(5)}, torch.randn(4, 4))
+    assert "memory_budget=1,000,000,000" in str(e.value) and "drop memory_budget" in str(e.value)

@@ -206,6 +206,16 @@ def schedule_programs(
     if opts.memory_budget is None:
         return build(None)
     budget: int = opts.memory_budget
+    if not all(p is programs[0] for p in programs):
+        # uneven blocks: each rank has its own program, and the re-gather choice is made on rank
+        # 0's nodes (running another rank's program built from it failed on a reshape)
+        raise fail(
+            f"sharded(memory_budget={budget:,}) needs every rank to hold blocks of one shape, but a "
+            "spec splits a dimension its axes do not divide evenly, so ranks run different programs.",
+            "make the split dimensions divisible by their axes' sizes (pad them), or drop "
+            "memory_budget (the default schedule gathers every parameter backward reads again: "
+            "the lowest peak).",
+        )
     opts = replace(opts, regather=True)
     first = copy_module(programs[0])
     with contextlib.suppress(Exception):  # uneven blocks: shapes may not propagate; not needed here
