@@ -213,8 +213,9 @@ def _suspect(leaves: list[Any]) -> bool:
 def _check_donated_alone(tensors: list[Any], program: Program) -> None:
     """A donated buffer is written in place: no other argument may overlap its memory (a tensor
     passed twice, tied weights, m and v as one tensor), or one update would overwrite another's
-    input. Views of one buffer that do not overlap (a flat buffer sliced into parameters) are fine.
-    One sort of the arguments' byte ranges, so the check costs little per call."""
+    input. Views of one buffer whose byte spans do not overlap (a flat buffer sliced into parameters)
+    are fine; interleaved views (``buf[:, 0::2]`` and ``buf[:, 1::2]``) span each other and are
+    refused. One sort of the arguments' byte spans, so the check costs little per call."""
     spans = []
     for i, t in enumerate(tensors):
         local = t._local_tensor if _is_dtensor(t) else t
