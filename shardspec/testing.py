@@ -82,6 +82,7 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _dump_stacks_on_request(os.path.join(os.path.dirname(init_file), f"stacks-{rank}"))
     try:
         if backend is not None:
             dist.init_process_group(
@@ -111,6 +112,35 @@ def _worker(
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1) from None
+
+
+def _dump_stacks_on_request(path: str) -> None:
+    """On SIGUSR1, write every thread's Python stack to ``path``: the parent asks a rank that passed
+    its deadline, so the error says where it hung."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=open(path, "w"), all_threads=True)  # noqa: SIM115
+
+
+def _late_stacks(procs: list[Any], late: list[int], folder: str) -> str:
+    """The Python stacks of the late ranks (asked for by SIGUSR1, given a second to write)."""
+    import signal
+
+    if not hasattr(signal, "SIGUSR1"):
+        return ""
+    for r in late:
+        with contextlib.suppress(OSError):
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    parts = []
+    for r in late:
+        with contextlib.suppress(OSError), open(os.path.join(folder, f"stacks-{r}")) as f:
+            text = f.read().strip()
+            if text:
+                parts.append(f"rank {r} was at (innermost call first):\n{text[:3000]}")
+    return "\n".join(parts)
 
 
 def run_distributed(
@@ -171,7 +201,7 @@ def run_distributed(
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, world_size, timeout)
+            return _collect(procs, results, world_size, timeout, tmp)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -180,7 +210,7 @@ def run_distributed(
                 p.join(timeout=10)
 
 
-def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float, folder: str) -> list[Any]:
     deadline = time.monotonic() + timeout
     done: dict[int, Any] = {}
     while len(done) < world_size:
@@ -196,9 +226,11 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
                     ) from None
             if time.monotonic() > deadline:
                 late = [r for r in range(world_size) if r not in done]
+                stacks = _late_stacks(procs, late, folder)
                 raise DistributedTestError(
                     f"ranks {late} still running after the {timeout:.0f} s deadline (hung, e.g. "
                     "waiting in a collective that another rank never entered); all killed"
+                    + (f"\n{stacks}" if stacks else "")
                 ) from None
             continue
         if status == "error":

@@ -7,10 +7,6 @@ the data of each step depends on the step alone, so equality is bitwise (``torch
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +14,7 @@ import torch
 
 from shardspec.testing import run_distributed
 from tests import _ckpt_fns as fns
+from tests._torchrun import torchrun
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,23 +32,14 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 def _torchrun(args: list[str], cwd: Path) -> str:
     """Run the example under torchrun (4 gloo workers, one restart allowed); return its output."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "examples.train_gpt", *args,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT} s; last output:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"torchrun exited with {proc.returncode}; last output:\n{output[-6000:]}"
-    return output
+    out, err = torchrun(
+        4,
+        ["-m", "examples.train_gpt", *args],
+        cwd=cwd,
+        timeout=TIMEOUT,
+        launcher=("--max-restarts", "1", "--monitor-interval", "0.2"),
+    )
+    return out + err
 
 
 def _check(output: str, out: Path, want: dict[str, torch.Tensor], resumed_at: int) -> None:

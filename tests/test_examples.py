@@ -17,7 +17,7 @@ import torch
 from examples import _cli, custom_specs, demo, einops_model, hf_gpt2, train_gpt, train_mlp
 from examples.models import gpt, mlp
 from shardspec import optim
-from shardspec.testing import run_distributed
+from tests._torchrun import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,19 +235,8 @@ def test_custom_specs_by_pattern() -> None:
     assert specs["h.0.mlp.fc.weight"] == train_gpt.P("tp", "dp") and specs["ln_f.weight"] == train_gpt.P()
 
 
-def _real_run(rank: int, world: int, module: str, argv: list[str]) -> list[str]:
-    import importlib
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as out:
-        warnings.simplefilter("always")
-        importlib.import_module(module).main(argv)
-    assert rank != 0 or "mode: real" in out.getvalue()
-    return [
-        f"{w.category.__name__}: {w.message}"
-        for w in caught
-        if issubclass(w.category, (FutureWarning, DeprecationWarning))
-    ]
+# warnings as a user sees them with every deprecation shown, from the library and the example alike
+ALL_DEPRECATIONS = {"PYTHONWARNINGS": "always::DeprecationWarning,always::FutureWarning"}
 
 
 @pytest.mark.multiprocess
@@ -259,23 +248,20 @@ def _real_run(rank: int, world: int, module: str, argv: list[str]) -> list[str]:
     ],
 )
 def test_real_runs_print_no_deprecation_warnings(module: str, world: int, argv: list[str]) -> None:
-    results = run_distributed(_real_run, world, args=(module, argv), backend=None, timeout=300)
-    assert results == [[]] * world
-
-
-def _real_demo(rank: int, world: int, argv: list[str]) -> str:
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        demo.main(argv)
-    return out.getvalue()
+    """Under torchrun, as a newcomer starts them: real mode, and nothing on stderr warns."""
+    out, err = torchrun(world, ["-m", module, *argv], timeout=300, env=ALL_DEPRECATIONS)
+    assert out.count("mode: real") == 1, out  # rank 0 says it, the others print nothing
+    warned = [line for line in err.splitlines() if "DeprecationWarning" in line or "FutureWarning" in line]
+    assert warned == [], err[-4000:]
 
 
 @pytest.mark.multiprocess
 def test_demo_pipelined_on_real_processes_confirms_equivalence() -> None:
-    """The demo's pp mode for real, on the smallest mesh with a pipeline axis (pp=2, 2 gloo
-    processes under the torchrun environment): each result lives on the sub-mesh of the stage that
-    computed it, the loss on the last stage's, and rank 0 (stage 0) still prints it and the check."""
+    """The demo's pp mode for real, as the README runs it (torchrun, 2 gloo processes, pp=2): each
+    result lives on the sub-mesh of the stage that computed it, the loss on the last stage's, and
+    rank 0 (stage 0) still prints it and the check; the other rank prints nothing."""
     argv = ["--mesh", "pp=2", "--steps", "1", "--layers", "1", "--microbatches", "2"]
-    texts = run_distributed(_real_demo, 2, args=(argv,), backend=None, timeout=300)
-    assert "mode: real (pp=2: 2 processes, gloo)" in texts[0] and "step 1/1: loss" in texts[0]
-    assert texts[0].rstrip().splitlines()[-1].startswith("equivalent: after 1 steps every parameter")
-    assert texts[1] == ""  # only rank 0 prints
+    out, _ = torchrun(2, [str(ROOT / "examples" / "demo.py"), *argv], timeout=300)
+    assert "mode: real (pp=2: 2 processes, gloo)" in out and "step 1/1: loss" in out, out
+    assert out.count("mode: real") == 1 and out.count("step 1/1: loss") == 1, out  # rank 0 alone prints
+    assert out.rstrip().splitlines()[-1].startswith("equivalent: after 1 steps every parameter"), out

@@ -75,6 +75,7 @@ def test_a_raising_rank_fails_fast_with_its_traceback():
 
 def test_a_hung_rank_fails_at_the_deadline():
     start = time.monotonic()
-    with pytest.raises(DistributedTestError, match=r"ranks \[0\] still running"):
+    with pytest.raises(DistributedTestError, match=r"ranks \[0\] still running") as info:
         run_distributed(fns.hang_on_rank_0, 2, timeout=3)
     assert time.monotonic() - start < 20
+    assert "rank 0 was at" in str(info.value) and "hang_on_rank_0" in str(info.value)  # its stack
