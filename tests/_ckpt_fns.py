@@ -81,13 +81,6 @@ def train_phase(
     return out
 
 
-def train_gpt_rank(rank: int, world: int, argv: list[str]) -> None:
-    """One rank of ``examples.train_gpt`` in a ``run_distributed(..., backend=None)`` group."""
-    from examples import train_gpt
-
-    train_gpt.main(argv)
-
-
 def disagreements(rank: int, world: int, root: str) -> dict[str, str]:
     """Ranks that pass different things to save/load get the same ShardingError, never a hang."""
     from shardspec import ShardingError

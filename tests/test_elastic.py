@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardspec.testing import run_distributed
-from tests import _ckpt_fns as fns
 from tests._torchrun import torchrun
 
 pytestmark = pytest.mark.multiprocess
@@ -26,7 +24,7 @@ TIMEOUT = 240  # seconds for one torchrun invocation (two attempts) on a loaded 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("ref") / "params.pt"
-    run_distributed(fns.train_gpt_rank, 4, args=([*TRAIN, "--out", str(out)],), backend=None, timeout=180)
+    torchrun(4, ["-m", "examples.train_gpt", *TRAIN, "--out", str(out)], cwd=out.parent, timeout=TIMEOUT)
     return torch.load(out)
 
 
