@@ -15,7 +15,6 @@ import torch
 from tests._torchrun import torchrun
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 6, 2
 TRAIN = ["--mesh", "dp=2,tp=2", "--layers", "1", "--steps", str(STEPS)]
 TIMEOUT = 240  # seconds for one torchrun invocation (two attempts) on a loaded 2-core machine
