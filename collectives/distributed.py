@@ -12,8 +12,10 @@ input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-o
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from collectives import accounting
 from shardspec.layout import chunk_bounds, chunk_sizes
 from shardspec.mesh import Mesh
 
+F = TypeVar("F", bound=Callable[..., Any])
 _groups: dict[tuple[Mesh, tuple[str, ...]], dict[tuple[int, ...], Any]] = {}
 _pending: dict[int, Any] = {}
 _REDUCE = {
@@ -33,6 +36,32 @@ _REDUCE = {
 # torch 2.13 renamed the flat-tensor collectives (the old names warn FutureWarning on every call)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# A check issued at the start of a step's call and completed before its first collective (the
+# runtime sets it; see ``gate``): every collective function below passes the gate first.
+_GATE: list[Callable[[], None]] = []
+
+
+def gate(check: Callable[[], None]) -> None:
+    """Hold ``check`` until the next collective (or ``pass_gate``), which completes it first."""
+    _GATE.append(check)
+
+
+def pass_gate() -> None:
+    """Complete the held checks; one that raises leaves nothing held."""
+    while _GATE:
+        _GATE.pop(0)()
+
+
+def _gated(fn: F) -> F:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _GATE:
+            pass_gate()
+        return fn(*args, **kwargs)
+
+    return cast(F, run)
 
 
 class _Group:
@@ -77,6 +106,7 @@ def _exchange_lengths(g: _Group, length: int, device: torch.device) -> list[int]
     return lengths
 
 
+@_gated
 def all_gather(
     mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dim: int, size: int | None, async_op: bool
 ) -> torch.Tensor:
@@ -108,6 +138,7 @@ def all_gather(
     return torch.cat(ordered).movedim(0, dim)
 
 
+@_gated
 def reduce_scatter(
     mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dim: int, op: str, async_op: bool
 ) -> torch.Tensor:
@@ -143,6 +174,7 @@ def reduce_scatter(
     return result / g.n if op == "avg" else result
 
 
+@_gated
 def all_reduce(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
     g = _Group(mesh, axes)
     accounting.record("all_reduce", axes, x, tuple(g.by_pos), {g.rank: accounting.all_reduce_bytes(x, g.n)})
@@ -150,6 +182,7 @@ def all_reduce(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, asyn
     return _reduce_into(g, out, op, async_op)
 
 
+@_gated
 def all_reduce_inplace(
     mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, op: str, async_op: bool
 ) -> torch.Tensor:
@@ -172,6 +205,7 @@ def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch
     return buf.div_(g.n) if op == "avg" else buf
 
 
+@_gated
 def all_to_all(
     mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, split_dim: int, concat_dim: int, size: int | None
 ) -> torch.Tensor:
@@ -228,6 +262,7 @@ def _moved_shape(shape: torch.Size, dim: int) -> tuple[int, ...]:
     return (shape[dim], *(n for d, n in enumerate(shape) if d != dim))
 
 
+@_gated
 def ppermute(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, perm: list[tuple[int, int]]) -> torch.Tensor:
     g = _Group(mesh, axes, needs_group=False)
     dsts = [d for s, d in perm if s == g.pos and d != g.pos]
@@ -246,6 +281,7 @@ def ppermute(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, perm: list[tupl
     return out
 
 
+@_gated
 def broadcast(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, src: int) -> torch.Tensor:
     g = _Group(mesh, axes)
     accounting.record(
@@ -263,6 +299,7 @@ def broadcast(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, src: int) -> t
 _SENDS: list[tuple[Any, torch.Tensor]] = []
 
 
+@_gated
 def send(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, dst: int) -> None:
     members = mesh.group_of(mesh.rank, axes)
     accounting.record("send", axes, x, tuple(members), {mesh.rank: accounting.p2p_bytes(x, True)})
@@ -277,6 +314,7 @@ def wait_sends() -> None:
         work.wait()
 
 
+@_gated
 def recv(mesh: Mesh, axes: tuple[str, ...], out: torch.Tensor, src: int) -> torch.Tensor:
     members = mesh.group_of(mesh.rank, axes)
     accounting.record("recv", axes, out, tuple(members), {mesh.rank: 0})

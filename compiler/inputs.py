@@ -17,13 +17,14 @@ differently initialised replicated parameters.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any, cast
 
 import optree
 import torch
 
 from compiler.trace import arg_names, path_str
-from shardspec.agree import digest, disagreeing, groups
+from shardspec.agree import digest, disagreeing, groups, start_disagreeing
 from shardspec.errors import fail
 from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
@@ -121,10 +122,27 @@ def check_dtensor_mesh(x: Any, mesh: Mesh, path: str) -> None:
 def check_same_call(key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float) -> None:
     """Every rank must call the same step with the same signature and hold the same program, else
     the collectives would not match (a hang) or pair up with another step's (a wrong answer)."""
+    start_same_call(key, identity, program, name, timeout)()
+
+
+def start_same_call(
+    key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float
+) -> Callable[[], None]:
+    """``check_same_call`` issued now and completed by the returned function: the runtime completes
+    it before the step's first collective, so the check's round trip overlaps the compute before it
+    (the forward, for data parallelism) instead of adding to every call."""
     mine = torch.tensor([digest(identity), digest(repr(key)), program], dtype=torch.int64)
-    everyone = disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
-    if not everyone:
-        return
+    pending = start_disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
+
+    def finish() -> None:
+        everyone = pending()
+        if everyone:
+            _differing_calls(everyone, name)
+
+    return finish
+
+
+def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
     which = next(i for i in range(3) if len({int(v[i]) for v in everyone}) > 1)
     ranks = groups([v[which : which + 1] for v in everyone])
     what = (

@@ -13,6 +13,7 @@ from typing import Any, cast
 import optree
 import torch
 
+from collectives.distributed import gate, pass_gate
 from collectives.simulated import run_simulated
 from compiler import inputs
 from compiler.backend import ResultWrapper
@@ -136,9 +137,12 @@ class ShardedFunction:
             if plan is None:
                 plan = self._plans[id(program)] = _real_plan(program)
             if self.mesh.size > 1:  # (one rank agrees with itself)
-                inputs.check_same_call(key, self._identity, plan.digest, self.__name__, self.timeout)
+                # completed before the program's first collective (the gate), so its round trip
+                # overlaps the compute that precedes it
+                gate(inputs.start_same_call(key, self._identity, plan.digest, self.__name__, self.timeout))
             plain = tuple(not _is_dtensor(t) for t in tensors)
             if self.check_values and (id(program), plain) not in self._values_checked:
+                pass_gate()
                 constants = _constants(program)
                 inputs.check_same_values(
                     tensors + [c for _, c in constants],
@@ -147,7 +151,10 @@ class ShardedFunction:
                     self.timeout,
                 )
                 self._values_checked.add((id(program), plain))
-            outs = _run_real(program, plan, tensors, self.backend)
+            try:
+                outs = _run_real(program, plan, tensors, self.backend)
+            finally:  # a program with no collective, or one that raised before its first
+                pass_gate()
         return optree.tree_unflatten(program.traced.out_tree, outs)
 
     def _inline(self, outer: Mesh, args: tuple[Any, ...]) -> Any:
@@ -371,6 +378,8 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
     pp = program.pipeline
     device = mesh.device_mesh.device_type
     reads = pp.per_rank[mesh.rank].reads if pp is not None else None
+    if pp is not None:
+        pass_gate()  # a stage's inputs may move between sub-meshes first (DTensor collectives)
     local = []
     for i, (t, path, want, where) in enumerate(
         zip(tensors, program.traced.in_paths, plan.in_placements, plan.in_slices, strict=True)
@@ -385,6 +394,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
             if t._spec.mesh is not mesh.device_mesh:
                 inputs.check_dtensor_mesh(t, mesh, path)
             if t._spec.placements != want:
+                pass_gate()  # DTensor's own collectives: only once every rank agreed on the call
                 t = t.redistribute(mesh.device_mesh, list(want))
             held = reads is None or i in reads  # else another pipeline stage's value
             # the local block itself: to_local()'s autograd Function (~13 µs a call, ~160 calls a

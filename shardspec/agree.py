@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,17 +53,30 @@ def check_group() -> Any:
 
 def disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
     """Every rank's ``values`` (an int64 vector on the CPU), or None when every rank holds the same."""
+    return start_disagreeing(values, timeout, what)()
+
+
+def start_disagreeing(
+    values: torch.Tensor, timeout: float, what: str
+) -> Callable[[], list[torch.Tensor] | None]:
+    """``disagreeing`` in two halves: the all-reduce is issued now and the returned function waits
+    for it (and only on disagreement gathers every rank's vector), so work in between overlaps it."""
     import torch.distributed as dist
 
     group = check_group()
     both = torch.cat([values, -values])
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, what)
-    n = values.numel()
-    if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
-        return None
-    everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
-    wait(dist.all_gather(everyone, values, group=group, async_op=True), timeout, what)
-    return everyone
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def finish() -> list[torch.Tensor] | None:
+        wait(work, timeout, what)
+        n = values.numel()
+        if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
+            return None
+        everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+        wait(dist.all_gather(everyone, values, group=group, async_op=True), timeout, what)
+        return everyone
+
+    return finish
 
 
 def groups(everyone: list[torch.Tensor]) -> list[list[int]]:
