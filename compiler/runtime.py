@@ -403,7 +403,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
         elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
             local.append(torch.empty(0, dtype=t.dtype))
         else:
-            local.append(t[where].to(device).contiguous())  # NCCL takes GPU tensors only
+            local.append(_own_block(t, where, device))
     with torch.no_grad():
         outs = list(runner(program.programs[mesh.rank], backend)(*local))
     if pp is not None:
@@ -412,6 +412,16 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
         wait_sends()
         return stage_results(program, outs, plan.out_placements, plan.out_shapes, plan.out_strides)
     return plan.wrap(outs)
+
+
+def _own_block(t: torch.Tensor, where: Any, device: str) -> torch.Tensor:
+    """This rank's block of a plain (global) argument in storage of its own: a slice of ``t`` would
+    keep all of ``t``'s storage alive for as long as the block lives (a result that aliases it, a
+    donated parameter updated in place and returned), N times the block under an N-way split."""
+    block = t[where].to(device)  # NCCL takes GPU tensors only
+    if block.untyped_storage().nbytes() > block.numel() * block.element_size():
+        return block.clone(memory_format=torch.contiguous_format)
+    return block.contiguous()
 
 
 def _program_digest(program: Program, rank: int) -> int:
