@@ -48,12 +48,19 @@ def make_batch(cfg: gpt.Config, batch: int, seed: int = 0) -> tuple[torch.Tensor
     return tok, tgt
 
 
-def _local_bytes(t: Any) -> int:
+def held_bytes(tensors: Any) -> int:
+    """Bytes of the storages this rank's blocks of ``tensors`` keep alive, each storage once: a
+    block that is a view of a larger buffer counts the whole buffer (what it really holds)."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return int(t.numel() * t.element_size()) if isinstance(t, torch.Tensor) else 0
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def param_specs(strategy: str, params: dict[str, torch.Tensor], world: int) -> dict[str, P]:
@@ -146,7 +153,7 @@ def shardspec_side(
         import optree
 
         leaves: list[Any] = optree.tree_leaves(cast(Any, live), none_is_leaf=False)
-        return sum(_local_bytes(t) for t in leaves)
+        return held_bytes(leaves)
 
     return Side(step, global_loss, state_bytes, info)
 
@@ -235,9 +242,6 @@ def torch_side(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Te
         return float(loss.item())
 
     def state_bytes() -> int:
-        held = sum(_local_bytes(p) for p in model.parameters())
-        for s in opt.state.values():
-            held += sum(_local_bytes(t) for t in s.values())
-        return held
+        return held_bytes([*model.parameters(), *(t for s in opt.state.values() for t in s.values())])
 
     return Side(step, global_loss, state_bytes)

@@ -28,7 +28,7 @@ import optree
 import torch
 
 from benchmarks._compare_measure import _malloc_trim, _rss_kib, peak_rss_delta
-from benchmarks._compare_sides import make_batch, torch_side
+from benchmarks._compare_sides import held_bytes, make_batch, torch_side
 from examples.models import gpt
 
 SIDES = {"dp": "DDP", "zero3": "FSDP2"}
@@ -42,7 +42,6 @@ def _resident() -> int:
 
 def _ours(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Tensor, ...]) -> Any:
     """Our donated fp32 step; returns (step, state bytes, predicted peak)."""
-    from torch.distributed.tensor import DTensor
 
     from benchmarks.memory_schedule import _step
     from benchmarks.memory_table import OPT
@@ -68,7 +67,7 @@ def _ours(strategy: str, cfg: gpt.Config, world: int, batch: tuple[torch.Tensor,
 
     def state() -> int:
         leaves: list[Any] = optree.tree_leaves(cast(Any, live), none_is_leaf=False)
-        return sum(int((t.to_local() if isinstance(t, DTensor) else t).numel()) * 4 for t in leaves)
+        return held_bytes(leaves)
 
     return step, state, predicted
 
@@ -128,7 +127,9 @@ def versus_torch(world: int, cfg: gpt.Config, rows: int, rounds: int = 2) -> dic
         for r in range(rounds):
             for side in ("ours", "torch") if r % 2 == 0 else ("torch", "ours"):
                 runs[side].append(
-                    run_distributed(side_rss, world, args=(side, strategy, cfg, rows), timeout=900)
+                    run_distributed(
+                        side_rss, world, args=(side, strategy, cfg, rows), timeout=900, start_method="spawn"
+                    )
                 )
         out[strategy] = {
             side: {
@@ -145,11 +146,12 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
 
-def render(per_world: dict[int, dict[str, dict[str, Any]]], load: str) -> list[str]:
+def render(per_world: dict[int, dict[str, dict[str, Any]]], load: str, model: str = "") -> list[str]:
     lines = [
-        "## Against DDP and FSDP2 (fp32 AdamW, gloo)",
+        f"## Against DDP and FSDP2 (fp32 AdamW, gloo){': ' + model if model else ''}",
         "",
-        "Resident memory, each side in its own fresh processes (`benchmarks/memory_rss.py`):"
+        "Resident memory, each side in its own freshly started (spawned) processes"
+        " (`benchmarks/memory_rss.py`):"
         " `held` is the resident size between steps above the size before the model existed"
         " (parameters, optimizer state and what the side keeps: DDP's persistent gradient buckets and"
         " `.grad` tensors, our compiled programs and caches), `step` the growth of the peak resident"

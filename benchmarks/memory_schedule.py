@@ -124,11 +124,11 @@ def render(budget: list[tuple[str, int, Any]], peaks: dict[int, int], n: int) ->
 def acceptance(
     sim: list[Any],
     gloo: dict[int, list[dict[str, Any]]],
-    versus: dict[int, dict[str, dict[str, Any]]],
+    versus: dict[str, dict[int, dict[str, dict[str, Any]]]],
     peaks: dict[int, int],
     formulas: dict[str, Any],
 ) -> list[str]:
-    """Issue 9's acceptance lines, each with the verdict the tables above give."""
+    """The memory acceptance lines, each with the verdict the tables above give."""
     donated = [r for r in sim if r.donate]
     state_err = max(
         abs(r.model_state / r.psi - formulas[r.strategy](r.n)) / formulas[r.strategy](r.n) for r in donated
@@ -139,9 +139,6 @@ def acceptance(
     plain = {(r.strategy, r.n): r.activations for r in sim if not r.remat and r.donate}
     act_ratio = max(remat[k] / plain[k] for k in remat)
     ratio = peaks[8] / peaks[2]
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "**not met**"
 
     lines = [
         "## Acceptance, as measured here",
@@ -157,19 +154,30 @@ def acceptance(
         f" unchanged: met by `tests/test_remat.py` (here the activation column falls to {act_ratio:.0%}"
         " of the plain step's on every row).",
     ]
-    for world, cmp in sorted(versus.items()):
-        for strategy, name in (("dp", "DDP"), ("zero3", "FSDP2")):
-            o, t = cmp[strategy]["ours"], cmp[strategy]["torch"]
-            lines.append(
-                f"- Resident peak per rank at most {name}'s at world {world} ({strategy}):"
-                f" {verdict(o['peak'] <= t['peak'])} (held + step {o['peak'] / 2**20:.2f} MiB against"
-                f" {t['peak'] / 2**20:.2f}; step growth alone {o['step'] / 2**20:.2f} against"
-                f" {t['step'] / 2**20:.2f}, which {'is' if o['step'] <= t['step'] else 'is not'} at most"
-                f" {name}'s)."
-            )
+    for model, per_world in versus.items():
+        for world, cmp in sorted(per_world.items()):
+            lines += _versus_lines(model, world, cmp)
     lines.append(
         "- Bad input (a donated argument returned unchanged, remat around a function with side"
         " effects, a memory budget no schedule meets): met, each an error naming the argument and the"
         " fix (`tests/test_donation.py`, `tests/test_remat.py`, `tests/test_memory_budget.py`)."
     )
+    return lines
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def _versus_lines(model: str, world: int, cmp: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for strategy, name in (("dp", "DDP"), ("zero3", "FSDP2")):
+        o, t = cmp[strategy]["ours"], cmp[strategy]["torch"]
+        lines.append(
+            f"- Resident peak per rank at most {name}'s at world {world} ({strategy}, {model} model):"
+            f" {verdict(o['peak'] <= t['peak'])} (held + step {o['peak'] / 2**20:.2f} MiB against"
+            f" {t['peak'] / 2**20:.2f}; step growth alone {o['step'] / 2**20:.2f} against"
+            f" {t['step'] / 2**20:.2f}, which {'is' if o['step'] <= t['step'] else 'is not'} at most"
+            f" {name}'s)."
+        )
     return lines

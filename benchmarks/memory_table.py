@@ -37,6 +37,19 @@ from shardspec.layout import device_slices, shard
 CFG = gpt.Config(vocab=128, seq=32, d=128, heads=4, layers=4)
 ROWS_PER_RANK = 2
 OPT = optim.adamw(lr=1e-3, weight_decay=0.01, eps=1e-6)
+# the resident-memory comparison with DDP and FSDP2: this table's model, and the GPT of
+# benchmarks/compare.py, whose model states outweigh the compiled program's fixed cost
+RSS_MODELS = {
+    "small": (CFG, ROWS_PER_RANK),
+    "d256": (gpt.Config(vocab=256, seq=128, d=256, heads=4, layers=4), 2),
+}
+
+
+def _describe(model: str) -> str:
+    cfg, rows = RSS_MODELS[model]
+    return f"vocab {cfg.vocab}, seq {cfg.seq}, d {cfg.d}, {cfg.layers} layers, {rows} sequences per rank"
+
+
 BF16 = torch.bfloat16
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 FORMULAS: dict[str, Callable[[int], float]] = {  # bytes per parameter, K = 12 (ZeRO paper, mixed precision)
@@ -236,7 +249,7 @@ def _mib(b: float) -> str:
 def render(
     sim: list[Row],
     gloo: dict[int, list[dict[str, Any]]],
-    versus: dict[int, dict[str, dict[str, Any]]] | None = None,
+    versus: dict[str, dict[int, dict[str, dict[str, Any]]]] | None = None,
     load: str = "",
     schedule: list[str] | None = None,
 ) -> str:
@@ -309,8 +322,8 @@ def render(
                 f"{'yes' if r0.donate else 'no'} | {_mib(r0.predicted)} | {_mib(r0.measured)} / "
                 f"{_mib(rl.measured)} | {err:.1%} |"
             )
-    if versus:
-        lines += ["", *rss.render(versus, load)]
+    for model, per_world in (versus or {}).items():
+        lines += ["", *rss.render(per_world, load, _describe(model))]
     if schedule:
         lines += ["", *schedule]
     lines += [
@@ -332,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one row per part, printed, nothing written")
     ap.add_argument("--rss-worlds", default="2,4", help="world sizes of the comparison with torch")
+    ap.add_argument("--rss-models", default=",".join(RSS_MODELS), help="models of the comparison with torch")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs", "memory.md"))
     a = ap.parse_args(argv)
     from shardspec.testing import run_distributed
@@ -356,10 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     for world, rows in gloo_plan.items():
         gloo[world] = run_distributed(_gloo, world, args=(rows,), timeout=900)
         print(world, gloo[world][0], file=sys.stderr)
-    versus = {}
-    for world in [] if a.quick else [int(w) for w in a.rss_worlds.split(",") if w]:
-        versus[world] = rss.versus_torch(world, CFG, ROWS_PER_RANK)
-        print(world, versus[world], file=sys.stderr)
+    versus: dict[str, dict[int, Any]] = {}
+    for model in [] if a.quick else [m for m in a.rss_models.split(",") if m]:
+        cfg, rows_per_rank = RSS_MODELS[model]
+        for world in [int(w) for w in a.rss_worlds.split(",") if w]:
+            versus.setdefault(model, {})[world] = rss.versus_torch(world, cfg, rows_per_rank)
+            print(model, world, versus[model][world], file=sys.stderr)
     schedule = []
     if not a.quick:
         budget, peaks = ms.budget_rows(CFG, OPT, 4, ROWS_PER_RANK), ms.peak_with_n(OPT)
