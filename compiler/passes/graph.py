@@ -119,10 +119,24 @@ def val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, Node) else n
 
 
-def make(graph: Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Node:
-    """Insert a call at the graph's insertion point, with its fake value computed from its inputs'."""
+def make(
+    graph: Graph,
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    value: Any = None,
+) -> Node:
+    """Insert a call at the graph's insertion point, with its fake value computed from its inputs'
+    (or ``value``, when the caller already has it: a fake dispatch costs a fraction of a millisecond,
+    which adds up over the thousands of nodes a pass on a deep model makes). ``copy_`` is given its
+    destination's value, which it returns."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
+    if value is None and target is torch.ops.aten.copy_.default and isinstance(args[0], Node):
+        value = val(args[0])
+    if value is not None:
+        node.meta["val"] = value
+        return node
     fake = next((v for v in _vals(args) if isinstance(v, torch.Tensor)), None)
     mode = getattr(fake, "fake_mode", None)
     if mode is not None:
