@@ -127,8 +127,8 @@ def _fill_as_computed(gm: GraphModule, cat: Node) -> None:
         after = anchor if rank <= k else src
         with graph.inserting_before(after.next):  # in order, right after ``after``
             x = src
-            for v in chain[1:]:  # the piece's views, now where it is copied
-                x = make(graph, v.target, (x, *v.args[1:]), dict(v.kwargs))
+            for v in chain[1:]:  # the piece's views, now where it is copied (the same values)
+                x = make(graph, v.target, (x, *v.args[1:]), dict(v.kwargs), value=val(v))
             part = make(graph, aten.slice.Tensor, (buf, dim, offsets[j], offsets[j + 1]))
             copied = make(graph, aten.copy_.default, (part, x))
         if rank <= k:
