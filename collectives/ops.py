@@ -73,7 +73,10 @@ def all_gather(
     params: dict[str, Any] = {"dim": dim, "size": _opt(size)}
     if not mesh_of(mesh).simulated:
         params["async_op"] = async_op
-    return _run("all_gather", x, mesh, axis, **params)
+    out = _run("all_gather", x, mesh, axis, **params)
+    if async_op and mesh_of(mesh).simulated:
+        simulated.hold(out, x)  # read until its wait on c10d too (all_reduce copies it at launch)
+    return out
 
 
 @all_gather.register_fake
@@ -92,7 +95,10 @@ def reduce_scatter(
     params: dict[str, Any] = {"dim": dim, "op": op}
     if not mesh_of(mesh).simulated:
         params["async_op"] = async_op
-    return _run("reduce_scatter", x, mesh, axis, **params)
+    out = _run("reduce_scatter", x, mesh, axis, **params)
+    if async_op and mesh_of(mesh).simulated:
+        simulated.hold(out, x)  # read until its wait on c10d too (all_reduce copies it at launch)
+    return out
 
 
 @reduce_scatter.register_fake
@@ -257,6 +263,7 @@ _lib.impl("all_reduce_inplace", _all_reduce_inplace_meta, "Meta")  # type: ignor
 
 def _wait_impl(x: torch.Tensor) -> torch.Tensor:
     distributed.wait(x)
+    simulated.release(x)
     return x
 
 

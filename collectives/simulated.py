@@ -135,8 +135,9 @@ class SimulatedWorld:
                 try:
                     if len(set(slot.calls.values())) > 1:
                         raise kernels.check_group_error(kind, [slot.calls[i] for i in range(slot.size)])
-                    xs = [slot.tensors[i] for i in range(slot.size)]
+                    xs = [slot.tensors.pop(i) for i in range(slot.size)]
                     slot.results = evaluate_group(kind, axes, group, xs, params)
+                    del xs  # the inputs die with their callers' references, not with the slot
                 except BaseException as exc:
                     slot.error = exc
                 self.cond.notify_all()
@@ -182,6 +183,18 @@ class _Aborted(RuntimeError):
 _local = threading.local()
 
 
+def hold(out: torch.Tensor, x: torch.Tensor) -> None:
+    """Keep an async collective's input referenced until ``release(out)``: a simulated collective
+    completes at its launch, but a real rank holds the input (or, on gloo's reduce-scatter, a copy
+    of it) until the wait, so a simulated run holds the bytes a real one does."""
+    _local.in_flight[out.untyped_storage().data_ptr()] = x
+
+
+def release(out: torch.Tensor) -> None:
+    """The wait of the async collective whose result is (a view of) ``out``."""
+    getattr(_local, "in_flight", {}).pop(out.untyped_storage().data_ptr(), None)
+
+
 def current() -> tuple[SimulatedWorld, int] | None:
     """The (world, rank) of the calling thread inside ``run_simulated``, else None."""
     world = getattr(_local, "world", None)
@@ -204,14 +217,14 @@ def run_simulated(fn: Callable[..., Any], mesh: Mesh, *args: Any, timeout: float
     errors: dict[int, BaseException] = {}
 
     def body(rank: int) -> None:
-        _local.world, _local.rank = world, rank
+        _local.world, _local.rank, _local.in_flight = world, rank, {}
         try:
             results[rank] = fn(rank, *args)
         except BaseException as exc:
             errors[rank] = exc
             world.fail(rank, exc)
         finally:
-            _local.world = None
+            _local.world, _local.in_flight = None, {}
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(mesh.size)]
     for t in threads:

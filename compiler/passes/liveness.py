@@ -2,39 +2,65 @@
 
 One model of memory for the whole compiler, so what ``cost()`` reports is what the passes that
 trade memory for bytes (``pack_early``, ``memory_budget``) optimize: arguments are held throughout,
-a computed buffer from the op that makes it to its last read, results to the end; a view or an
-in-place result adds no bytes and keeps the buffer it aliases alive (a ``reshape`` that had to copy
-is a buffer of its own, as its fake value's storage shows); an async collective reads its input
-until its wait.
+a computed buffer from the op that makes it to its last read (one nothing reads: right after it),
+results to the end; a multi-output op makes all its results at once, each freed on its own after
+the op's last ``getitem`` (the same storage, not a second buffer); a view or an in-place result adds
+no bytes and keeps the buffer it aliases alive (a ``reshape`` that had to copy is a buffer of its
+own, as its fake value's storage shows); an async all-gather or reduce-scatter
+reads its input until its wait (c10d's work holds it: gloo reduce-scatters a copy of the same size;
+a simulated mesh keeps it referenced as well), while an async all-reduce copies its input into its
+output at launch (``all_reduce_inplace`` reduces the buffer itself, live while the result is).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
 
 from compiler.passes.graph import aliases_input, val
 
+_READ_UNTIL_WAIT = {torch.ops.shardspec.all_gather.default, torch.ops.shardspec.reduce_scatter.default}
+
 
 def roots(nodes: list[Node]) -> dict[Node, Node]:
-    """Each node -> the node whose buffer its value lives in."""
+    """Each node -> the node whose buffer its value lives in (a repeated ``getitem`` of one result
+    of a multi-output op: the first)."""
     root: dict[Node, Node] = {}
+    first: dict[tuple[Node, object], Node] = {}
     for n in nodes:
         src = n.all_input_nodes[0] if n.all_input_nodes else None
         alias = n.op == "call_function" and src is not None and aliases_input(n)
         root[n] = root[src] if alias and src is not None and _shares_storage(n, src) else n
+        if n.target is operator.getitem and root[n] is n and src is not None:
+            root[n] = first.setdefault((src, n.args[1]), n)
     return root
 
 
+def parts(nodes: list[Node], root: dict[Node, Node]) -> dict[Node, Node]:
+    """Each fresh result of a multi-output op (its ``getitem``) -> the op. The op allocates all its
+    results; the tuple holds each until its last ``getitem``, the result's own readers after that."""
+    return {
+        n: n.args[0]
+        for n in nodes
+        if n.target is operator.getitem
+        and root[n] is n
+        and isinstance(n.args[0], Node)
+        and root[n.args[0]] is n.args[0]
+        and isinstance(n.args[0].meta.get("val"), (tuple, list))
+    }
+
+
 def last_reads(nodes: list[Node], root: dict[Node, Node]) -> dict[Node, int]:
-    """Each buffer -> the position of its last read (an async collective's input: its wait)."""
+    """Each buffer -> the position of its last read (an async gather's or scatter's input: its wait)."""
     pos = {n: i for i, n in enumerate(nodes)}
     last: dict[Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
             last[root[a]] = i
     for n in nodes:
-        if n.op == "call_function" and n.kwargs.get("async_op") and n.users:
+        if n.target in _READ_UNTIL_WAIT and n.kwargs.get("async_op") and n.users:
             done = max(pos[u] for u in n.users)
             for a in n.all_input_nodes:
                 last[root[a]] = max(last[root[a]], done)
@@ -54,23 +80,33 @@ def curve(gm: GraphModule, only: set[Node] | None = None) -> list[tuple[Node | N
     root = roots(nodes)
     last = last_reads(nodes, root)
     outputs = {root[a] for a in nodes[-1].all_input_nodes}
+    part_of = parts(nodes, root)
+    pos = {n: i for i, n in enumerate(nodes)}
 
-    def size(n: Node) -> int:
-        if root[n] is not n or (only is not None and n not in only):
-            return 0
-        return nbytes(n)
+    def counted(n: Node) -> bool:
+        return root[n] is n and (only is None or n in only)
 
+    freed = {n: nbytes(n) if counted(n) else 0 for n in nodes}  # bytes a buffer frees
+    made = {n: 0 if n in part_of else b for n, b in freed.items()}  # bytes it adds
+    for g, op in part_of.items():  # a multi-output op's results: allocated by the op, not again
+        made[op] += freed[g] - (nbytes(g) if counted(op) else 0)
+        freed[op] -= nbytes(g) if counted(op) else 0
+        last[g] = max(last.get(g, pos[g]), last.get(op, pos[op]))
     free_at: dict[int, list[Node]] = {}
-    for a, i in last.items():
-        if a.op != "placeholder" and a not in outputs:
-            free_at.setdefault(i, []).append(a)
-    live = sum(size(n) for n in nodes if n.op == "placeholder")
+    for n in nodes:  # a computed buffer nothing reads dies right after the op that made it
+        if (
+            root[n] is n
+            and n not in outputs
+            and (n.op == "call_function" or (n.op == "get_attr" and n in last))
+        ):
+            free_at.setdefault(last.get(n, pos[n]), []).append(n)
+    live = sum(freed[n] for n in nodes if n.op == "placeholder")
     out: list[tuple[Node | None, int]] = [(None, live)]
     for i, n in enumerate(nodes):
         if n.op in ("call_function", "get_attr"):
-            live += size(n)
+            live += made[n]
             out.append((n, live))
-        live -= sum(size(a) for a in free_at.get(i, ()))
+        live -= sum(freed[a] for a in free_at.get(i, ()))
     return out
 
 
