@@ -125,7 +125,9 @@ class _Lazy:
                     seen[n] = (tuple(result.shape), tuple(result.stride()), result.dtype, result.device)
                 return result
 
-        outs = _Record(gm).run(*args)
+        recorder = _Record(gm)
+        recorder.extra_traceback = False  # a ShardingError raised by a collective stays as written
+        outs = recorder.run(*args)
         with _LOCK:
             if self.driver is None:
                 self.driver = _build(gm, segments, regions, seen)

@@ -147,9 +147,10 @@ def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
     ranks = groups([v[which : which + 1] for v in everyone])
     what = (
         f"ranks called different sharded steps at the same point ({name}(...) on some): rank groups {ranks}",
-        f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes or Python "
-        f"scalar values differ): rank groups {ranks}",
-        f"ranks compiled different programs for {name}(...) (collective sequences differ): rank groups "
+        f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes, Python "
+        f"scalar values, or which are DTensors and their placements differ): rank groups {ranks}",
+        f"ranks compiled different programs for {name}(...) (specs, collective sequences, or Python "
+        f"values baked into the step, such as a learning rate a closure captured, differ): rank groups "
         f"{ranks}",
     )[which]
     raise fail(

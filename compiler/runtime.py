@@ -136,11 +136,19 @@ class ShardedFunction:
             plan = self._plans.get(id(program))
             if plan is None:
                 plan = self._plans[id(program)] = _real_plan(program)
-            if self.mesh.size > 1:  # (one rank agrees with itself)
-                # completed before the program's first collective (the gate), so its round trip
-                # overlaps the compute that precedes it
-                gate(inputs.start_same_call(key, self._identity, plan.digest, self.__name__, self.timeout))
             plain = tuple(not _is_dtensor(t) for t in tensors)
+            if self.mesh.size > 1:  # (one rank agrees with itself)
+                # which arguments are DTensors, and their placements, are part of the call: a rank
+                # passing a plain tensor where another passes a DTensor takes another path. Completed
+                # before the program's first collective (the gate), so its round trip overlaps the
+                # compute that precedes it
+                layouts = tuple(
+                    None if p else t._spec.placements for p, t in zip(plain, tensors, strict=True)
+                )
+                call = inputs.start_same_call(
+                    (key, layouts), self._identity, plan.digest, self.__name__, self.timeout
+                )
+                gate(call)
             if self.check_values and (id(program), plain) not in self._values_checked:
                 pass_gate()
                 constants = _constants(program)
@@ -403,7 +411,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
         elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
             local.append(torch.empty(0, dtype=t.dtype))
         else:
-            local.append(_own_block(t, where, device))
+            local.append(_block(t, where, device, own=i in program.donated))
     with torch.no_grad():
         outs = list(runner(program.programs[mesh.rank], backend)(*local))
     if pp is not None:
@@ -414,19 +422,23 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
     return plan.wrap(outs)
 
 
-def _own_block(t: torch.Tensor, where: Any, device: str) -> torch.Tensor:
-    """This rank's block of a plain (global) argument in storage of its own: a slice of ``t`` would
-    keep all of ``t``'s storage alive for as long as the block lives (a result that aliases it, a
-    donated parameter updated in place and returned), N times the block under an N-way split."""
+def _block(t: torch.Tensor, where: Any, device: str, own: bool) -> torch.Tensor:
+    """This rank's block of a plain (global) argument. A donated one gets storage of its own size:
+    the results written into it are returned, and a slice of ``t`` would keep all of ``t``'s
+    storage alive through them, N times the block under an N-way split. Other blocks may stay views
+    (a batch sliced every step is not copied)."""
     block = t[where].to(device)  # NCCL takes GPU tensors only
-    if block.untyped_storage().nbytes() > block.numel() * block.element_size():
+    if own and block.untyped_storage().nbytes() > block.numel() * block.element_size():
         return block.clone(memory_format=torch.contiguous_format)
     return block.contiguous()
 
 
 def _program_digest(program: Program, rank: int) -> int:
-    """A hash of the input shapes and the collective sequence of this rank's program (of every
-    rank's, for a pipeline, whose positions run different programs)."""
+    """A hash of what every rank must share: the input shapes, the specs, the traced step (its ops
+    and the Python values baked into them, e.g. a learning rate a closure captured) and the
+    collective sequence of this rank's program (of every rank's, for a pipeline, whose positions
+    run different programs). Two steps wrapping one function with other constants or specs have the
+    same name and line: only their programs tell them apart."""
     ranks = range(program.mesh.size) if program.pipeline is not None else [rank]
     calls = [
         n
@@ -434,7 +446,30 @@ def _program_digest(program: Program, rank: int) -> int:
         for n in program.programs[r].graph.nodes
         if n.op == "call_function" and getattr(n.target, "namespace", "") == "shardspec"
     ]
-    text = repr([(i.shape, i.dtype) for i in program.traced.inputs]) + "\n".join(
-        f"{n.target} {sorted((k, v) for k, v in n.kwargs.items() if k != 'size')}" for n in calls
+    text = "\n".join(
+        [
+            repr([(i.shape, i.dtype) for i in program.traced.inputs]),
+            repr((program.in_specs, program.out_specs)),
+            _graph_text(program.traced.module.graph),
+            *(f"{n.target} {sorted((k, v) for k, v in n.kwargs.items() if k != 'size')}" for n in calls),
+        ]
     )
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def _graph_text(graph: torch.fx.Graph) -> str:
+    """The graph's ops and arguments, the same text in every process: nodes by name, Python values
+    by repr, any other object by its type (its repr may hold a memory address)."""
+
+    def plain(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return a.name
+        if isinstance(a, (list, tuple)):
+            return type(a)(plain(x) for x in a)
+        if isinstance(a, dict):
+            return {k: plain(v) for k, v in a.items()}
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+            return a
+        return type(a).__name__
+
+    return "\n".join(f"{n.op} {n.target} {plain(n.args)} {plain(n.kwargs)}" for n in graph.nodes)

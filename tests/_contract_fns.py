@@ -62,6 +62,20 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     mine_const = torch.full((4,), rank + 1.0)
     closure = sharded(lambda x: (x @ mine_const).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
     out["closure"] = _message(lambda: closure(full_x))
+
+    # one function, two steps: a closure constant (a learning rate) or the specs differ per rank
+    def scaled(lr: float) -> Any:
+        return sharded(lambda x: (x * lr).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
+
+    out["closure_scalar"] = _message(lambda: scaled(0.1 * (rank + 1))(full_x))
+    specs = (P("dp"),) if rank == 0 else (P(None, "dp"),)
+    out["specs"] = _message(
+        lambda: sharded(lambda x: x * 2, mesh=mesh, in_specs=specs, out_specs=P())(full_x)
+    )
+    # one rank passes a DTensor, the other the plain full tensor
+    local = from_local(mine, P("dp"), mesh)  # (a collective: every rank builds it)
+    dtensor_or_plain = local if rank == 0 else full_x
+    out["dtensor_or_plain"] = _message(lambda: total(dtensor_or_plain))
     # one rank alone changes a shape on a later call
     x = full_x if rank == 0 else torch.cat([full_x, full_x])
     out["shape"] = _message(lambda: step(w, x, 1.0))

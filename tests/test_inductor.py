@@ -124,9 +124,22 @@ def test_bad_backend_names_the_allowed_values():
 
 def _train_dp(rank, world, backend):
     _, params, _, losses = _steps({"dp": world}, SPECS["dp"][1], P("dp"), backend, simulate=False)
+    # ranks calling different steps, each on its first (recording) call: the agreement check
+    # raises inside the program's first collective, and its message stays as written
+    mesh = Mesh({"dp": world})
+    other = [
+        sharded(fn, mesh=mesh, in_specs=(P("dp"),), out_specs=P(), backend=backend, check_values=False)
+        for fn in (lambda x: (x * 2).sum(0), lambda x: (x + 1).sum(0))
+    ][rank % 2]
+    try:
+        other(torch.ones(4, 3))
+        refused = ""
+    except ShardingError as exc:
+        refused = str(exc)
     return {
         "losses": [x.full_tensor() for x in losses],
         "params": {k: v.full_tensor() for k, v in params.items()},
+        "refused": refused,
     }
 
 
@@ -138,6 +151,8 @@ def test_inductor_on_two_gloo_processes_matches_one_process():
             torch.testing.assert_close(got, ref, **TOL)
         for k, v in want[1].items():
             torch.testing.assert_close(r["params"][k], v, **TOL)
+        assert "ranks compiled different programs" in r["refused"], r["refused"]  # (one line: one name)
+        assert r["refused"].rstrip().splitlines()[-1].startswith("Fix:"), r["refused"]  # no graph dump
 
 
 def test_pipelined_step_equals_eager():

@@ -149,5 +149,8 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
         assert "differs between ranks [0, 1], which hold the same block" in r["replica"], r["replica"]
         assert "hold different values on different ranks: x" in r["later_plain"], r["later_plain"]
         assert "a tensor the step closes over" in r["closure"], r["closure"]
+        for case in ("closure_scalar", "specs"):
+            assert "ranks compiled different programs" in r[case] and "[[0], [1]]" in r[case], r[case]
+        assert "which are DTensors" in r["dtensor_or_plain"], r["dtensor_or_plain"]
         if rank == 0:
             assert "did not complete within 2 s" in r["absent"] and "did not call it" in r["absent"]
