@@ -468,7 +468,9 @@ def _graph_text(graph: torch.fx.Graph) -> str:
             return type(a)(plain(x) for x in a)
         if isinstance(a, dict):
             return {k: plain(v) for k, v in a.items()}
-        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+        if isinstance(a, torch.device):
+            return a.type  # each rank's own GPU (cuda:<local rank>) is the same device to agree on
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.layout)):
             return a
         return type(a).__name__
 

@@ -154,3 +154,20 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
         assert "which are DTensors" in r["dtensor_or_plain"], r["dtensor_or_plain"]
         if rank == 0:
             assert "did not complete within 2 s" in r["absent"] and "did not call it" in r["absent"]
+
+
+def test_the_program_digest_text_is_the_same_for_each_ranks_own_gpu():
+    """Under NCCL each rank traces on cuda:<local rank>: the text the ranks' digests compare must not
+    tell cuda:0 from cuda:1, nor depend on object addresses, yet must see a baked-in value."""
+    from compiler.runtime import _graph_text
+
+    def graph(device: str, scale: float) -> torch.fx.Graph:
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten._to_copy.default, (x,), {"device": torch.device(device)})
+        z = g.call_function(torch.ops.aten.mul.Tensor, (y, scale), {"other_obj": object()})
+        g.output(z)
+        return g
+
+    assert _graph_text(graph("cuda:0", 0.1)) == _graph_text(graph("cuda:1", 0.1))
+    assert _graph_text(graph("cuda:0", 0.1)) != _graph_text(graph("cuda:0", 0.2))
