@@ -474,4 +474,9 @@ def _graph_text(graph: torch.fx.Graph) -> str:
             return a
         return type(a).__name__
 
-    return "\n".join(f"{n.op} {n.target} {plain(n.args)} {plain(n.kwargs)}" for n in graph.nodes)
+    def name(t: Any) -> str:
+        if isinstance(t, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return str(t)
+        return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', type(t).__name__)}"
+
+    return "\n".join(f"{n.op} {name(n.target)} {plain(n.args)} {plain(n.kwargs)}" for n in graph.nodes)
