@@ -284,7 +284,8 @@ def render(
         " the state's shard) and 16Ψ/N (ZeRO-3); see `tests/test_memory.py`.",
         "",
         "Peak: `cost().peak_memory_bytes_per_rank`, liveness over the scheduled program (after every"
-        " pass: views free, async inputs held until their wait, buffers freed at last use), against"
+        " pass: views free, an async all-gather's or reduce-scatter's input held until its wait (an"
+        " all-reduce copies its input at launch), buffers freed at last use), against"
         " the peak of live storage measured op by op while rank 0 runs the program on a simulated mesh.",
         "Activations: `cost().activation_peak_bytes_per_rank`, the largest live sum of values computed"
         " in forward from the batch (and their recomputations).",
@@ -337,6 +338,15 @@ def render(
         " activation column); ZeRO-2 and ZeRO-3 peak in backward, where remat helps too.",
         "- Against torch the comparison is of resident memory, allocator included: the last column"
         " says whether our peak (held + step) is at most the torch side's.",
+        "- Our `held` above `state` is mostly what tracing and compiling the step leaves in the"
+        " process (the compiled program's Python objects, torch's tracing caches, and allocator pages"
+        " they pin): a cost per process that grows with the program's length, not with the model's"
+        " width. On the small model it outweighs what ZeRO-3 saves; on the d 256 GPT ZeRO-3 ends at"
+        " or below FSDP2.",
+        "- DP's `step` is larger than DDP's although its live tensors (`predicted`) are not: DDP keeps"
+        " its gradients and buckets allocated between steps (in its `held`), ours are allocated in the"
+        " step, the flat gradient bucket in fresh pages after backward, and the C allocator does not"
+        " reuse the activations' freed blocks for it.",
     ]
     return "\n".join(lines) + "\n"
 
