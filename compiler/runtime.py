@@ -141,7 +141,8 @@ class ShardedFunction:
                 # which arguments are DTensors, and their placements, are part of the call: a rank
                 # passing a plain tensor where another passes a DTensor takes another path. Completed
                 # before the program's first collective (the gate), so its round trip overlaps the
-                # compute that precedes it
+                # compute that precedes it, if any (it must complete before any collective is issued:
+                # a rank whose program differs would pair its collectives with the wrong ones)
                 layouts = tuple(
                     None if p else t._spec.placements for p, t in zip(plain, tensors, strict=True)
                 )
