@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import accounting
+from shardspec import agree
 from shardspec.layout import chunk_bounds, chunk_sizes
 from shardspec.mesh import Mesh
 
@@ -322,8 +323,17 @@ def recv(mesh: Mesh, axes: tuple[str, ...], out: torch.Tensor, src: int) -> torc
     return out
 
 
+# How long a wait for an async collective may take before it is an error naming it (a peer that
+# raised and went on, or died, would otherwise leave this rank waiting): the running step's timeout.
+_WAIT_TIMEOUT = [1800.0]
+
+
+def set_wait_timeout(seconds: float) -> None:
+    _WAIT_TIMEOUT[0] = seconds
+
+
 def wait(x: torch.Tensor) -> None:
     """Complete an async collective whose output is (a view of) ``x``; no-op otherwise."""
     work = _pending.pop(x.untyped_storage().data_ptr(), None)
     if work is not None:
-        work.wait()
+        agree.wait(work, _WAIT_TIMEOUT[0], "a collective of the step (waited for its result)")

@@ -13,7 +13,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from collectives.distributed import gate, pass_gate
+from collectives.distributed import gate, pass_gate, set_wait_timeout
 from collectives.simulated import run_simulated
 from compiler import inputs
 from compiler.backend import ResultWrapper
@@ -160,6 +160,7 @@ class ShardedFunction:
                     self.timeout,
                 )
                 self._values_checked.add((id(program), plain))
+            set_wait_timeout(self.timeout)
             try:
                 outs = _run_real(program, plan, tensors, self.backend)
             finally:  # a program with no collective, or one that raised before its first

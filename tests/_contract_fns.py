@@ -86,3 +86,20 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     else:
         time.sleep(4.0)
     return out
+
+
+def one_rank_raises(rank: int, world: int) -> str:
+    """Rank 1's program raises before its first collective (its own data indexes out of range);
+    rank 0 waits for that collective: an error at the step's timeout, not a hang."""
+    from shardspec import Mesh, P, from_local, sharded
+
+    mesh = Mesh({"dp": world})
+    step = sharded(lambda w, i: w[i].sum(), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(), timeout=3.0)
+    w = torch.arange(10.0)
+    step(w, from_local(torch.tensor([1, 2]), P("dp"), mesh))  # compiled and agreed on by both
+    index = from_local(torch.tensor([1, 2] if rank == 0 else [1, 99]), P("dp"), mesh)
+    try:
+        step(w, index)
+    except Exception as exc:  # rank 0: ShardingError; rank 1: torch's IndexError
+        return str(exc)
+    return "no error"
