@@ -159,7 +159,7 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
 def test_the_program_digest_text_is_the_same_for_each_ranks_own_gpu():
     """Under NCCL each rank traces on cuda:<local rank>: the text the ranks' digests compare must not
     tell cuda:0 from cuda:1, nor depend on object addresses, yet must see a baked-in value."""
-    from compiler.runtime import _graph_text
+    from compiler.runtime_real import _graph_text
 
     def graph(device: str, scale: float) -> torch.fx.Graph:
         g = torch.fx.Graph()
