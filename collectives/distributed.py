@@ -12,6 +12,7 @@ input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-o
 
 from __future__ import annotations
 
+import datetime
 import functools
 import math
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from collectives import accounting
-from shardspec import agree
+from shardspec.errors import fail
 from shardspec.layout import chunk_bounds, chunk_sizes
 from shardspec.mesh import Mesh
 
@@ -335,5 +336,15 @@ def set_wait_timeout(seconds: float) -> None:
 def wait(x: torch.Tensor) -> None:
     """Complete an async collective whose output is (a view of) ``x``; no-op otherwise."""
     work = _pending.pop(x.untyped_storage().data_ptr(), None)
-    if work is not None:
-        agree.wait(work, _WAIT_TIMEOUT[0], "a collective of the step (waited for its result)")
+    if work is None:
+        return
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=_WAIT_TIMEOUT[0]))
+    except RuntimeError as exc:
+        raise fail(
+            f"a collective of the step did not complete within {_WAIT_TIMEOUT[0]:g} s ({exc}): a peer "
+            "raised inside the step, died, or fell that far behind. The collective stays posted, so "
+            "this process group cannot run another collective.",
+            "end the job and start it again (torchrun restarts it; resume from the last checkpoint); "
+            "for ranks that are only slow, raise sharded(..., timeout=...).",
+        ) from None

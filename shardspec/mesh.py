@@ -6,6 +6,7 @@ Rank ``r`` sits at the row-major coordinates of ``r`` in the axis sizes, the sam
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -263,6 +264,16 @@ def _rank_grid(mesh: Mesh) -> str:
     return "\n".join(lines)
 
 
+def _leave_group() -> None:
+    """At exit, tear down the process group this module made (when the program has not): left to
+    the interpreter's teardown, gloo's threads outlive the group's owner and a rank can abort
+    ('terminate called without an active exception') after its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _connect(mesh: Mesh) -> tuple[int, DeviceMesh]:
     """Join (or start) torch.distributed and build the DeviceMesh for a real mesh."""
     try:
@@ -319,6 +330,7 @@ def _connect(mesh: Mesh) -> tuple[int, DeviceMesh]:
         # every rank connected before any goes on: gloo's handshake is one-sided, so a rank that
         # finished quickly and tore its group down failed a peer still connecting
         dist.barrier()
+        atexit.register(_leave_group)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
     return dist.get_rank(), device_mesh
