@@ -99,7 +99,7 @@ def _exchange_lengths(g: _Group, length: int, device: torch.device) -> list[int]
     """All members' lengths along a dim, by position (metadata: counted apart)."""
     mine = torch.tensor([length], dtype=torch.int64, device=device)
     out = torch.empty(g.n, dtype=torch.int64, device=device)
-    _all_gather_flat(out, mine, group=g.pg)
+    _finish(_all_gather_flat(out, mine, group=g.pg, async_op=True))
     accounting.record_metadata({g.rank: 8 * (g.n - 1)})
     by_grank = out.tolist()
     lengths = [0] * g.n
@@ -129,11 +129,12 @@ def all_gather(
         front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
     out = front.new_empty((g.n * longest, *front.shape[1:]))
     even = all(n == longest for n in lengths)
-    work = _all_gather_flat(out, front, group=g.pg, async_op=async_op and even and g.identity)
-    if work is not None:
+    work = _all_gather_flat(out, front, group=g.pg, async_op=True)
+    if async_op and even and g.identity:
         result = out.movedim(0, dim)
         _pending[result.untyped_storage().data_ptr()] = work
         return result
+    _finish(work)
     blocks = torch.split(out, longest)
     by_pos = [blocks[grank][: lengths[g.pos_of_grank[grank]]] for grank in range(g.n)]
     ordered = [by_pos[g.pos_of_grank.index(p)] for p in range(g.n)]
@@ -167,12 +168,11 @@ def reduce_scatter(
     out = front.new_empty((block, *front.shape[1:]))
     start, stop = chunk_bounds(length, g.n, g.pos)
     result = out[: stop - start].movedim(0, dim)
-    work = _reduce_scatter_flat(
-        out, send, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg" and send is front
-    )
-    if work is not None:
+    work = _reduce_scatter_flat(out, send, op=_REDUCE[op], group=g.pg, async_op=True)
+    if async_op and op != "avg" and send is front:
         _pending[out.untyped_storage().data_ptr()] = work
         return result
+    _finish(work)
     return result / g.n if op == "avg" else result
 
 
@@ -200,10 +200,11 @@ def all_reduce_inplace(
 def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
     if g.n == 1:
         return buf
-    work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=async_op and op != "avg")
-    if work is not None:
+    work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=True)
+    if async_op and op != "avg":
         _pending[buf.untyped_storage().data_ptr()] = work
         return buf
+    _finish(work)
     return buf.div_(g.n) if op == "avg" else buf
 
 
@@ -241,7 +242,7 @@ def all_to_all(
         shapes.append(torch.Size(sender))
     recv_sizes = [math.prod(s) for s in shapes]
     out = x.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, torch.cat(send), recv_sizes, send_sizes, group=g.pg)
+    _finish(dist.all_to_all_single(out, torch.cat(send), recv_sizes, send_sizes, group=g.pg, async_op=True))
     blocks = torch.split(out, recv_sizes)
     by_pos: list[torch.Tensor] = [x] * g.n
     for grank in range(g.n):
@@ -279,7 +280,7 @@ def ppermute(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, perm: list[tupl
     ops += [dist.P2POp(dist.irecv, out, g.by_pos[s]) for s in srcs]
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            _finish(work)
     return out
 
 
@@ -291,7 +292,7 @@ def broadcast(mesh: Mesh, axes: tuple[str, ...], x: torch.Tensor, src: int) -> t
     )
     out = x.clone(memory_format=torch.contiguous_format)
     if g.n > 1:
-        dist.broadcast(out, src=g.by_pos[src], group=g.pg)
+        _finish(dist.broadcast(out, src=g.by_pos[src], group=g.pg, async_op=True))
     return out
 
 
@@ -313,36 +314,47 @@ def wait_sends() -> None:
     """Complete every posted send (their buffers are held until then)."""
     while _SENDS:
         work, _ = _SENDS.pop(0)
-        work.wait()
+        _finish(work)
 
 
 @_gated
 def recv(mesh: Mesh, axes: tuple[str, ...], out: torch.Tensor, src: int) -> torch.Tensor:
     members = mesh.group_of(mesh.rank, axes)
     accounting.record("recv", axes, out, tuple(members), {mesh.rank: 0})
-    dist.recv(out, src=members[src])
+    _finish(dist.irecv(out, src=members[src]))
     return out
 
 
-# How long a wait for an async collective may take before it is an error naming it (a peer that
-# raised and went on, or died, would otherwise leave this rank waiting): the running step's timeout.
-_WAIT_TIMEOUT = [1800.0]
+# How long waiting for a collective may take before it is an error naming it (a peer that raised
+# and went on, or died, would otherwise leave this rank waiting): the running step's timeout on a
+# CPU (gloo) mesh. None waits as c10d does: on NCCL a timed wait would block the host until the GPU
+# finishes, and NCCL's watchdog ends a hung collective at the process group's timeout.
+_WAIT_TIMEOUT: list[float | None] = [None]
 
 
-def set_wait_timeout(seconds: float) -> None:
+def set_wait_timeout(seconds: float | None) -> None:
     _WAIT_TIMEOUT[0] = seconds
 
 
 def wait(x: torch.Tensor) -> None:
     """Complete an async collective whose output is (a view of) ``x``; no-op otherwise."""
     work = _pending.pop(x.untyped_storage().data_ptr(), None)
-    if work is None:
+    if work is not None:
+        _finish(work)
+
+
+def _finish(work: Any) -> None:
+    """Wait for ``work`` within the running step's timeout (every collective here is issued async
+    and completed through this, so none waits longer)."""
+    seconds = _WAIT_TIMEOUT[0]
+    if seconds is None:
+        work.wait()
         return
     try:
-        work.wait(timeout=datetime.timedelta(seconds=_WAIT_TIMEOUT[0]))
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as exc:
         raise fail(
-            f"a collective of the step did not complete within {_WAIT_TIMEOUT[0]:g} s ({exc}): a peer "
+            f"a collective of the step did not complete within {seconds:g} s ({exc}): a peer "
             "raised inside the step, died, or fell that far behind. The collective stays posted, so "
             "this process group cannot run another collective.",
             "end the job and start it again (torchrun restarts it; resume from the last checkpoint); "

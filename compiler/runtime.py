@@ -156,7 +156,7 @@ class ShardedFunction:
                     self.timeout,
                 )
                 self._values_checked.add((id(program), plain))
-            set_wait_timeout(self.timeout)
+            set_wait_timeout(self.timeout if self.mesh.device_mesh.device_type == "cpu" else None)
             try:
                 outs = _run_real(program, plan, tensors, self.backend)
             finally:  # a program with no collective, or one that raised before its first

@@ -88,16 +88,22 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def one_rank_raises(rank: int, world: int) -> str:
+def one_rank_raises(rank: int, world: int, uneven: bool) -> str:
     """Rank 1's program raises before its first collective (its own data indexes out of range);
-    rank 0 waits for that collective: an error at the step's timeout, not a hang."""
+    rank 0 waits for that collective: an error at the step's timeout, not a hang. Even blocks: an
+    async reduction and its wait; uneven ones (3 rows over 2 ranks): a synchronous all-gather."""
     from shardspec import Mesh, P, from_local, sharded
 
     mesh = Mesh({"dp": world})
-    step = sharded(lambda w, i: w[i].sum(), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(), timeout=3.0)
+    fn = (lambda w, i: w[i] * 2) if uneven else (lambda w, i: w[i].sum())
+    step = sharded(fn, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(), timeout=3.0)
     w = torch.arange(10.0)
-    step(w, from_local(torch.tensor([1, 2]), P("dp"), mesh))  # compiled and agreed on by both
-    index = from_local(torch.tensor([1, 2] if rank == 0 else [1, 99]), P("dp"), mesh)
+    if uneven:
+        step(w, torch.tensor([1, 2, 3]))  # compiled and agreed on by both
+        index = torch.tensor([1, 2, 99])  # the same global value; rank 1's block holds 99
+    else:
+        step(w, from_local(torch.tensor([1, 2]), P("dp"), mesh))
+        index = from_local(torch.tensor([1, 2] if rank == 0 else [1, 99]), P("dp"), mesh)
     try:
         step(w, index)
     except Exception as exc:  # rank 0: ShardingError; rank 1: torch's IndexError

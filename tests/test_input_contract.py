@@ -174,7 +174,8 @@ def test_the_program_digest_text_is_the_same_for_each_ranks_own_gpu():
 
 
 @pytest.mark.multiprocess
-def test_a_rank_whose_program_raises_leaves_the_others_an_error_not_a_hang():
-    waited, raised = run_distributed(fns.one_rank_raises, 2, timeout=60)
+@pytest.mark.parametrize("uneven", [False, True])
+def test_a_rank_whose_program_raises_leaves_the_others_an_error_not_a_hang(uneven):
+    waited, raised = run_distributed(fns.one_rank_raises, 2, args=(uneven,), timeout=60)
     assert "did not complete within 3 s" in waited and "start it again" in waited, waited
     assert "index 99 is out of bounds" in raised, raised
