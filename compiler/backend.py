@@ -16,6 +16,17 @@ from typing import Any
 import torch
 
 _SPECS: dict[tuple[Any, ...], Any] = {}
+_DTENSOR: list[Any] = []
+
+
+def dtensor_type() -> Any:
+    """``DTensor``, imported on first use (importing torch.distributed.tensor takes a while, and a
+    simulated mesh never needs it) and then held, not imported again per tensor of every call."""
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 def _spec(
@@ -33,9 +44,8 @@ def _spec(
 
 
 def _wrap(out: torch.Tensor, spec: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.__new__(DTensor, out, spec, requires_grad=out.requires_grad)
+    cls = dtensor_type()
+    return cls.__new__(cls, out, spec, requires_grad=out.requires_grad)
 
 
 def wrap_results(
@@ -81,4 +91,6 @@ class ResultWrapper:
                     outs, self.placements, self.shapes, self.strides, strict=True
                 )
             ]
-        return [_wrap(out, spec) for out, spec in zip(outs, specs)]
+        cls = dtensor_type()
+        new = cls.__new__
+        return [new(cls, out, spec, requires_grad=out.requires_grad) for out, spec in zip(outs, specs)]

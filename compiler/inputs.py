@@ -40,14 +40,15 @@ def _scalar_key(x: Any) -> Any:
 
 def signature(fn: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The compile-cache key of a call; names the first leaf that cannot be part of a step."""
-    paths, leaves, tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    leaves, tree = optree.tree_flatten(cast(Any, args), none_is_leaf=False)
     sig = []
-    for path, x in zip(paths, leaves, strict=True):
+    for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):  # a DTensor keys as the global tensor it stands for
             sig.append(("Tensor", tuple(x.shape), x.dtype, x.device.type))
         elif isinstance(x, _STATIC):
             sig.append(_scalar_key(x))
-        else:
+        else:  # paths only here: building them costs more than the rest of the key
+            path = optree.tree_paths(cast(Any, args), none_is_leaf=False)[i]
             where = path_str(arg_names(fn, len(args))[path[0]], path[1:])
             raise fail(
                 f"{where}: a leaf of type {type(x).__name__} is neither a tensor nor a Python scalar "
@@ -125,13 +126,27 @@ def check_same_call(key: tuple[Any, ...], identity: str, program: int, name: str
     start_same_call(key, identity, program, name, timeout)()
 
 
+_KEY_DIGESTS: dict[tuple[Any, ...], int] = {}
+
+
+def _key_digest(key: tuple[Any, ...]) -> int:
+    """``digest(repr(key))``, remembered: a training step calls with one key every step, and the
+    repr of a GPT step's key (hundreds of leaves and placements) costs more than its hash."""
+    found = _KEY_DIGESTS.get(key)
+    if found is None:
+        if len(_KEY_DIGESTS) >= 256:
+            _KEY_DIGESTS.clear()
+        found = _KEY_DIGESTS[key] = digest(repr(key))
+    return found
+
+
 def start_same_call(
     key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float
 ) -> Callable[[], None]:
     """``check_same_call`` issued now and completed by the returned function: the runtime completes
     it before the step's first collective, so the check's round trip overlaps the compute before it
     (the forward, for data parallelism) instead of adding to every call."""
-    mine = torch.tensor([digest(identity), digest(repr(key)), program], dtype=torch.int64)
+    mine = torch.tensor([digest(identity), _key_digest(key), program], dtype=torch.int64)
     pending = start_disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
 
     def finish() -> None:

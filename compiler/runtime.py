@@ -14,6 +14,7 @@ import torch
 from collectives.distributed import gate, pass_gate, set_wait_timeout
 from collectives.simulated import run_simulated
 from compiler import inputs
+from compiler.backend import dtensor_type
 from compiler.constrain import constrain
 from compiler.inductor import check_backend, runner
 from compiler.lowered import Lowered
@@ -230,11 +231,15 @@ def _check_donated_alone(tensors: list[Any], program: Program) -> None:
     are fine; interleaved views (``buf[:, 0::2]`` and ``buf[:, 1::2]``) span each other and are
     refused. One sort of the arguments' byte spans, so the check costs little per call."""
     spans = []
+    dtensor = dtensor_type()
     for i, t in enumerate(tensors):
-        local = t._local_tensor if _is_dtensor(t) else t
-        if local.numel():
+        local = t._local_tensor if isinstance(t, dtensor) else t
+        start = local.data_ptr()
+        if local.is_contiguous():
+            if local.nbytes:
+                spans.append((start, start + local.nbytes, i))
+        elif local.numel():
             extent = 1 + sum((n - 1) * s for n, s in zip(local.shape, local.stride(), strict=True))
-            start = local.data_ptr()
             spans.append((start, start + extent * local.element_size(), i))
     spans.sort()
     donated = set(program.donated)

@@ -12,7 +12,7 @@ import torch
 
 from collectives.distributed import pass_gate
 from compiler import inputs
-from compiler.backend import ResultWrapper
+from compiler.backend import ResultWrapper, dtensor_type
 from compiler.inductor import runner
 from compiler.pipeline.real import stage_input, stage_results
 from compiler.program import Program
@@ -54,9 +54,7 @@ def _real_plan(program: Program) -> _RealPlan:
 
 
 def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    return isinstance(t, dtensor_type())
 
 
 def _constants(program: Program) -> list[tuple[str, torch.Tensor]]:
