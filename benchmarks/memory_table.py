@@ -339,14 +339,23 @@ def render(
         "- Against torch the comparison is of resident memory, allocator included: the last column"
         " says whether our peak (held + step) is at most the torch side's.",
         "- Our `held` above `state` is mostly what tracing and compiling the step leaves in the"
-        " process (the compiled program's Python objects, torch's tracing caches, and allocator pages"
-        " they pin): a cost per process that grows with the program's length, not with the model's"
+        " process: a cost per process that grows with the program's length, not with the model's"
         " width. On the small model it outweighs what ZeRO-3 saves; on the d 256 GPT ZeRO-3 ends at"
-        " or below FSDP2.",
+        " or below FSDP2. Of it, the Python objects the compiled step still references are about"
+        " 8 MiB on the d 256 GPT (fake values and fx graphs, by tracemalloc), and dropping every"
+        " node's fake value gives back 0.1 MiB of resident memory: the rest is heap pages that the"
+        " compile's transient objects left partly used, which neither Python's allocator nor glibc's"
+        " returns to the system.",
         "- DP's `step` is larger than DDP's although its live tensors (`predicted`) are not: DDP keeps"
         " its gradients and buckets allocated between steps (in its `held`), ours are allocated in the"
-        " step, the flat gradient bucket in fresh pages after backward, and the C allocator does not"
-        " reuse the activations' freed blocks for it.",
+        " step, and once the step has freed its 12.7 MB gradient bucket glibc serves every smaller"
+        " tensor from its heap (its mmap threshold rises to the largest block freed), where the"
+        " activations' freed blocks fragment. Two remedies were measured on the d 256 GPT and not"
+        " adopted: keeping the bucket between steps, as DDP does, moved it from `step` to `held`"
+        " without lowering the sum (92.1 and 92.7 MiB); a fixed 128 KiB mmap threshold"
+        " (`MALLOC_MMAP_THRESHOLD_=131072`, both sides) gave 69.3 MiB against DDP's 70.8 and 71.3 but"
+        " page-faults every large tensor anew each step: 105 to 167 ms per step ours, 107 to 151 ms"
+        " DDP's (`python -m benchmarks.compare --world 2 --strategies dp`, with and without the setting).",
     ]
     return "\n".join(lines) + "\n"
 
