@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
 from compiler.decompose import decompositions
+from compiler.distinct import split_shared_operands
 from compiler.rewrites import RANDOM_OPS, Rewrites
 from compiler.sources import SourceTracker, source_of, user_frame
 from shardspec.errors import ShardingError, fail
@@ -141,6 +142,7 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
     _reject_argument_mutation(module, in_paths, fn, args)
     _reject_random_ops(module)
     _reject_value_dependent_shapes(module)
+    split_shared_operands(module.graph)
     outputs = tuple(
         TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in _output_nodes(module)
     )
