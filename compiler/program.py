@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import optree
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from compiler import passes as program_passes
 from compiler.checkpointing import regions
@@ -182,7 +182,7 @@ def compile_program(
             out_leaf_specs[k] = prop.outputs[k].spec
     first, inserted = partition(traced.module, prop, mesh, 0, list(traced.in_paths))
     programs = [first]
-    if not _even(prop, mesh):
+    if not _even(prop, mesh, traced.module.graph):
         programs += [
             partition(traced.module, prop, mesh, r, list(traced.in_paths))[0] for r in range(1, mesh.size)
         ]
@@ -231,7 +231,27 @@ def compile_program(
     )
 
 
-def _even(prop: Propagation, mesh: Mesh) -> bool:
+def _even(prop: Propagation, mesh: Mesh, graph: Any = None) -> bool:
+    """Whether every rank's program has the same shapes: every value, every layout an op asks of
+    an operand and every result's layout splits its dims evenly. A program shared by all ranks is
+    shape-propagated with rank 0's blocks, so bucketing and donation would size buffers by them."""
+    wanted: list[tuple[Any, Any]] = []
+    for p in prop.plans.values():
+        wanted += [(o.meta.get("val"), r) for o, r in zip(p.operands, p.required, strict=False)]
+    if graph is not None:
+        out = next(n for n in graph.nodes if n.op == "output")
+        wanted += [
+            (v.meta.get("val") if isinstance(v, Node) else None, s)
+            for v, s in zip(out.args[0], prop.outputs, strict=False)
+        ]
+    for meta, sh in wanted:
+        if (
+            isinstance(sh, Sharding)
+            and isinstance(meta, torch.Tensor)
+            and sh.dims
+            and not is_even(tuple(meta.shape), mesh, sh.spec)
+        ):
+            return False
     for node, s in prop.value.items():
         vals = s if isinstance(s, tuple) else (s,)
         metas = (

@@ -31,6 +31,7 @@ class _RealPlan:
     out_strides: tuple[tuple[int, ...], ...]
     digest: int  # of the input shapes and the collective sequence: ranks compare it every call
     wrap: ResultWrapper  # the results' DTensor specs, built on the first call
+    shared: _Shared  # results that may share storage with an argument, a constant or each other
 
 
 def _real_plan(program: Program) -> _RealPlan:
@@ -50,6 +51,58 @@ def _real_plan(program: Program) -> _RealPlan:
             [torch.Size(t.shape) for t, _, _ in outs],
             [torch.empty(t.shape, device="meta").stride() for t, _, _ in outs],
         ),
+        _aliased_results(program),
+    )
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """The results of a program that may share storage with a caller's (not donated) argument, a
+    constant, or another result, by its ops' alias annotations (see ``_aliased_results``)."""
+
+    candidates: tuple[int, ...]  # results that may share storage
+    owned: tuple[int, ...]  # the caller's arguments they may share it with
+    constants: tuple[int, ...]  # results that are (views of) a tensor the step closes over
+
+    def unshare(self, outs: list[Any], args: list[torch.Tensor]) -> None:
+        """Copy each candidate that shares storage with a caller's argument or a constant, or
+        overlaps the bytes of an earlier result."""
+        callers = {args[i].untyped_storage().data_ptr() for i in self.owned}
+        spans: list[tuple[int, int, int]] = []
+        for k in self.candidates:
+            t = outs[k]
+            storage, start = t.untyped_storage().data_ptr(), t.data_ptr()
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            end = start + extent * t.element_size() if t.numel() else start
+            overlaps = any(s == storage and lo < end and start < hi for s, lo, hi in spans)
+            if storage in callers or k in self.constants or overlaps:
+                outs[k] = t.clone()
+            else:
+                spans.append((storage, start, end))
+
+
+def _aliased_results(program: Program) -> _Shared:
+    """Which results the call copies, as a simulated mesh returns copies: a later donation of one
+    result, or the caller changing its own tensor, must not reach another tensor (``place =
+    sharded(lambda p: p)`` followed by a donating step would overwrite the caller's parameters)."""
+    from compiler.passes.graph import aliases_input
+
+    def root(n: Any) -> Any:
+        while n.op == "call_function" and n.all_input_nodes and aliases_input(n):
+            n = n.all_input_nodes[0]
+        return n
+
+    nodes = list(program.programs[program.mesh.rank].graph.nodes)
+    holders = [n for n in nodes if n.op == "placeholder"]
+    donated = {holders[i] for i in program.donated if i < len(holders)}
+    roots = [root(a) if isinstance(a, torch.fx.Node) else None for a in nodes[-1].args[0]]
+    shared = {r for r in roots if r is not None and roots.count(r) > 1}
+    caller = {r for r in roots if r is not None and r.op == "placeholder" and r not in donated}
+    constant = {r for r in roots if r is not None and r.op == "get_attr"}
+    return _Shared(
+        tuple(k for k, r in enumerate(roots) if r in shared or r in caller or r in constant),
+        tuple(sorted(holders.index(r) for r in caller)),
+        tuple(k for k, r in enumerate(roots) if r in constant),
     )
 
 
@@ -107,6 +160,8 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
             local.append(_block(t, where, device, own=i in program.donated))
     with torch.no_grad():
         outs = list(runner(program.programs[mesh.rank], backend)(*local))
+        if pp is None and plan.shared.candidates:
+            plan.shared.unshare(outs, local)
     if pp is not None:
         from collectives.distributed import wait_sends
 

@@ -94,6 +94,24 @@ def test_donating_an_argument_returned_unchanged_is_an_error():
         f({"w": torch.ones(4)}, torch.ones(4, 4))
 
 
+@pytest.mark.parametrize("spec", [P(), P("dp")])
+def test_donating_an_argument_returned_through_constrain_is_the_same_error(spec):
+    from shardspec import constrain
+
+    def step(a, b):
+        return a * 2, constrain(b, spec), b / 3
+
+    f = sharded(
+        step,
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(P(), spec),
+        out_specs=(P(), P(), P()),
+        donate=(1,),
+    )
+    with pytest.raises(ShardingError, match=r"b is donated .* returns it unchanged"):
+        f(torch.randn(6), torch.randn(6))
+
+
 @pytest.mark.parametrize("bad", ["params", (0, -1), (True,)])
 def test_donate_takes_argument_positions(bad):
     with pytest.raises(ShardingError, match="not a tuple of argument positions"):
@@ -137,6 +155,43 @@ def test_real_mesh_results_reuse_the_donated_local_storage_of_their_own_size():
     for r in run_distributed(_donate_on_gloo, 4, timeout=120):
         assert r["reused"] and r["close"] and r["oversized"] == []
         assert "was donated" in r["refused"]
+
+
+def _results_own_their_storage_on_gloo(rank: int, world: int) -> dict[str, object]:
+    import shardspec
+
+    mesh = Mesh({"dp": world})
+    out: dict[str, object] = {}
+    for name, spec in (("rep", P()), ("split", P("dp"))):
+        place = sharded(lambda p: p, mesh=mesh, in_specs=(P(),), out_specs=spec)
+
+        def train_step(p, x):
+            loss, g = shardspec.value_and_grad(lambda p, x: ((x @ p) ** 2).mean())(p, x)
+            new = p - 0.1 * g
+            return new, new, loss
+
+        train = sharded(
+            train_step, mesh=mesh, in_specs=(spec, P("dp")), out_specs=(spec, spec, P()), donate=(0,)
+        )
+        init = torch.arange(12.0).reshape(4, 3) / 10
+        saved = init.clone()
+        p = place(init)  # the caller's tensor laid out: not a view of it
+        p, snapshot, _ = train(p, torch.ones(6, 4))
+        kept = snapshot.full_tensor().clone()
+        train(p, torch.ones(6, 4))  # donates p: the snapshot returned beside it must not change
+        out[name] = (torch.equal(init, saved), torch.equal(snapshot.full_tensor(), kept))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_real_mesh_results_never_share_storage_with_the_caller_or_each_other():
+    """A simulated mesh returns copies; a real one returned the caller's own (not donated) tensor
+    for a pass-through result, and one buffer for a value returned twice, so a later donation of
+    one result overwrote the caller's parameters or the other result."""
+    from shardspec.testing import run_distributed
+
+    for r in run_distributed(_results_own_their_storage_on_gloo, 2, timeout=120):
+        assert r == {"rep": (True, True), "split": (True, True)}
 
 
 def test_donation_on_uneven_blocks_keeps_global_shapes():
@@ -224,3 +279,23 @@ def test_zero1_donation_keeps_a_replicated_parameter_functional_and_correct():
         want = STEP(*want, *batch(i))[:2]
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_donation_with_a_result_whose_blocks_differ_by_rank_computes_the_same():
+    """A replicated donated input and a result split unevenly (blocks 2 and 1, or 1, 1 and 0): a
+    program shared by all ranks is sized by rank 0's blocks, so donation once wrote rank 0's
+    block shape on every rank (a 1-element block broadcast into a 2-element buffer)."""
+    cases = [(3, 5, 2), (2, 3, 2), (2, 5, 3), (4, 7, 2), (1, 2, 3)]
+    for n_in, n_out, devices in cases:
+
+        def fn(x, n_out=n_out):
+            return torch.cat([0.5 - x * 2, x * 3])[:n_out]
+
+        f = sharded(
+            fn, mesh=Mesh({"dp": devices}, simulate=True), in_specs=(P(),), out_specs=P("dp"), donate=(0,)
+        )
+        x = torch.randn(n_in)
+        want = fn(x)
+        got = f(x.clone())
+        assert got.shape == want.shape, (n_in, n_out, devices)
+        torch.testing.assert_close(got, want)

@@ -248,8 +248,9 @@ def donate_programs(
     a donated input the step returns unchanged is an error, since its buffer cannot be both."""
     placeholders = [n for n in traced.module.graph.nodes if n.op == "placeholder"]
     out = next(n for n in traced.module.graph.nodes if n.op == "output")
+    returned = {_through_constrain(n) for n in out.all_input_nodes}
     for i in donated:
-        if placeholders[i] in out.all_input_nodes:
+        if placeholders[i] in returned:
             raise fail(
                 f"{traced.in_paths[i]} is donated (sharded(donate=...)) but the step returns it "
                 "unchanged; a donated buffer is overwritten with the step's results.",
@@ -271,6 +272,13 @@ def donate_programs(
             donate_(new, donated, traced.in_paths, traced.out_paths)
             done[id(gm)] = new
     return tuple(done[id(gm)] for gm in programs)
+
+
+def _through_constrain(n: Any) -> Any:
+    """The value a result is, past ``constrain`` (which only pins a layout)."""
+    while n.op == "call_function" and n.target is torch.ops.shardspec.constrain.default:
+        n = n.args[0]
+    return n
 
 
 def launch_sequence(gm: GraphModule) -> tuple[tuple[Any, ...], ...]:
