@@ -7,9 +7,11 @@ pass creates by ``make``, so no pass re-runs the whole program under fake tensor
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,7 +73,22 @@ def annotate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]
         _meta_propagate(gm, inputs, mode)
     except Exception:
         fakes = [mode.from_tensor(torch.empty(tuple(s), dtype=d)) for s, d in inputs]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        with quiet_fake_errors():  # a failure here is the caller's to handle, not a log's
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+@contextlib.contextmanager
+def quiet_fake_errors() -> Iterator[None]:
+    """Fake-tensor propagation logs every op that fails on its meta kernel at ERROR level, with a
+    traceback, before raising. Where a failure is expected and handled (shapes that do not propagate
+    on a rank whose uneven block is shorter), that log is a screenful of noise on a correct run."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 _META, _CPU = torch.device("meta"), torch.device("cpu")
