@@ -30,6 +30,7 @@ from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
 
 _STATIC = (int, float, bool, str, type(None))
+SMALL = 16  # plain CPU tensors of at most this many elements are compared by value on every call
 
 
 def _scalar_key(x: Any) -> Any:
@@ -163,7 +164,8 @@ def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
     what = (
         f"ranks called different sharded steps at the same point ({name}(...) on some): rank groups {ranks}",
         f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes, Python "
-        f"scalar values, or which are DTensors and their placements differ): rank groups {ranks}",
+        f"scalar values, the values of small CPU tensors such as a 0-dim learning rate, or which are "
+        f"DTensors and their placements differ): rank groups {ranks}",
         f"ranks compiled different programs for {name}(...) (specs, collective sequences, or Python "
         f"values baked into the step, such as a learning rate a closure captured, differ): rank groups "
         f"{ranks}",

@@ -143,8 +143,21 @@ class ShardedFunction:
                 layouts = tuple(
                     None if p else t._spec.placements for p, t in zip(plain, tensors, strict=True)
                 )
+                # a small plain CPU tensor is often a value that changes between calls (a learning
+                # rate passed as a 0-dim tensor to avoid recompiling): after the first call's check
+                # of every value (below), its value is checked on every call (reading a GPU tensor
+                # would synchronize the device)
+                small = (
+                    tuple(
+                        tuple(t.reshape(-1).tolist())
+                        for p, t in zip(plain, tensors, strict=True)
+                        if p and t.numel() <= inputs.SMALL and t.device.type == "cpu"
+                    )
+                    if (id(program), plain) in self._values_checked
+                    else ()
+                )
                 call = inputs.start_same_call(
-                    (key, layouts), self._identity, plan.digest, self.__name__, self.timeout
+                    (key, layouts, small), self._identity, plan.digest, self.__name__, self.timeout
                 )
                 gate(call)
             if self.check_values and (id(program), plain) not in self._values_checked:

@@ -76,6 +76,10 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     local = from_local(mine, P("dp"), mesh)  # (a collective: every rank builds it)
     dtensor_or_plain = local if rank == 0 else full_x
     out["dtensor_or_plain"] = _message(lambda: total(dtensor_or_plain))
+    # a learning rate passed as a 0-dim tensor (not to recompile per value), differing on a later call
+    sgd = sharded(lambda w, lr: w - lr * w, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    sgd(w, torch.tensor(0.1)), sgd(w, torch.tensor(0.1))  # the first calls agree (and are value-checked)
+    out["tensor_lr"] = _message(lambda: sgd(w, torch.tensor(0.1 * (rank + 1))))
     # one rank alone changes a shape on a later call
     x = full_x if rank == 0 else torch.cat([full_x, full_x])
     out["shape"] = _message(lambda: step(w, x, 1.0))

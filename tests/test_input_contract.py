@@ -145,6 +145,7 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
         assert "different arguments" in r["scalar"] and "[[0], [1]]" in r["scalar"]
         assert "DeviceMesh [1, 0]" in r["grid"] and "[0, 1]" in r["grid"], r["grid"]
         assert "different arguments" in r["shape"], r["shape"]
+        assert "small CPU tensors" in r["tensor_lr"] and "[[0], [1]]" in r["tensor_lr"], r["tensor_lr"]
         assert "ranks called different sharded steps" in r["steps"], r["steps"]
         assert "differs between ranks [0, 1], which hold the same block" in r["replica"], r["replica"]
         assert "hold different values on different ranks: x" in r["later_plain"], r["later_plain"]
