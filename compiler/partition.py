@@ -23,6 +23,7 @@ from compiler.decompose import is_addmm_add
 from compiler.passes.graph import LazyProgram
 from compiler.propagate import CONSTRAIN, Propagation, shape
 from compiler.reshard import Step, plan
+from compiler.rules.registry import _SPATIAL
 from compiler.sharding import Sharding
 from compiler.sources import source_of
 from shardspec.layout import local_shape
@@ -47,6 +48,8 @@ _SIZE_ARG = {
     aten.empty.memory_format: 0,
     aten.empty_permuted.default: 0,
 }
+# a resampling op's backward takes its input's size (batch and channels included): this rank's
+_SIZE_ARG.update({getattr(aten, f"{name}_backward").default: 2 for name in _SPATIAL if "pad" not in name})
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
 _LIKE = {
     aten.full_like.default: None,

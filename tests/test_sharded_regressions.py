@@ -81,3 +81,21 @@ def test_one_value_in_two_operand_slots_of_a_product_is_laid_out_per_slot():
     got, want = f(a), shardspec.value_and_grad(loss)(a)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gradient_of_interpolate_under_a_split_batch_uses_this_ranks_input_size():
+    """upsample_*_backward takes its input's full size: the global one failed on a rank's block."""
+    import torch.nn.functional as F
+
+    import shardspec
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+    for mode, shape in (("linear", (4, 3, 5)), ("nearest", (4, 3, 5, 6)), ("bicubic", (4, 3, 5, 6))):
+
+        def loss(x, mode=mode):
+            return F.interpolate(x, scale_factor=2, mode=mode).square().sum()
+
+        x = torch.randn(shape)
+        f = sharded(shardspec.value_and_grad(loss), mesh=mesh, in_specs=(P("dp"),), out_specs=(P(), P("dp")))
+        for got, want in zip(f(x), shardspec.value_and_grad(loss)(x), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
