@@ -20,7 +20,7 @@ from compiler.plan.auto import AUTO
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
 from compiler.sources import source_of
-from compiler.trace import Traced, arg_names, path_str, trace
+from compiler.trace import TensorSpec, Traced, arg_names, path_str, trace
 from shardspec.errors import fail
 from shardspec.layout import check_spec, is_even, local_shape
 from shardspec.mesh import Mesh
@@ -61,13 +61,17 @@ def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = 
 
 
 def _describe(x: Any) -> str:
-    return f"tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+    if isinstance(x, (torch.Tensor, TensorSpec)):
+        return f"tensor{tuple(x.shape)}" if len(x.shape) else "0-dim tensor"
+    return type(x).__name__
 
 
 def _mismatch(spec: Any, value: Any, path: str) -> tuple[str, str] | None:
     """The first place where ``spec`` is not a prefix of ``value``: (path, what differs), no values."""
     if isinstance(spec, P):
         return None
+    if spec is None:
+        return path, "the spec is None (use P() for a value replicated on every device)"
     if isinstance(spec, dict):
         if not isinstance(value, dict):
             return path, f"the spec is a dict, the value a {_describe(value)}"
@@ -148,7 +152,7 @@ def compile_program(
     if pipeline is not None:
         check_pipeline(pipeline, mesh, list(zip(traced.in_paths, tensor_specs, strict=True)))
     out_leaf_specs = broadcast_specs(
-        out_specs, optree.tree_unflatten(traced.out_tree, list(range(len(traced.outputs)))), "out_specs"
+        out_specs, optree.tree_unflatten(traced.out_tree, list(traced.outputs)), "out_specs"
     )
     auto_out = [k for k, s in enumerate(cast(list[Any], out_leaf_specs)) if s is AUTO]
     out_leaf_specs = [P() if k in auto_out else s for k, s in enumerate(out_leaf_specs)]

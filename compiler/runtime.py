@@ -53,7 +53,12 @@ class ShardedFunction:
         self.strict = strict
         self.pipeline = pipeline
         self.donate = _donate_argnums(donate)
-        self.check_values, self.timeout = check_values, timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise fail(
+                f"sharded(timeout={timeout!r}) is not a positive number of seconds.",
+                "pass how long a rank may wait for the others, e.g. timeout=600 (the default).",
+            )
+        self.check_values, self.timeout = check_values, float(timeout)
         self.passes = passes
         if not isinstance(mesh, Mesh):
             raise fail(
@@ -107,7 +112,14 @@ class ShardedFunction:
     def lower(self, *args: Any) -> Lowered:
         return Lowered(self._program(args)[0])
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            names = arg_names(self.fn, len(args) + len(kwargs))
+            raise fail(
+                f"{self.__name__}(...) was called with keyword arguments ({', '.join(kwargs)}); a sharded "
+                "step takes its arguments by position, as its in_specs do.",
+                f"pass them positionally: {self.__name__}({', '.join(names)}).",
+            )
         outer = _TRACING.get()
         if outer is not None:
             return self._inline(outer, args)

@@ -144,6 +144,12 @@ CASES: tuple[Case, ...] = (
         lambda: sharded(_mlp, mesh="dp", in_specs=(), out_specs=()),
         ("needs a shardspec.Mesh", "str"),
     ),
+    Case(
+        "mesh",
+        "a timeout that is not a positive number of seconds",
+        lambda: _step(_mlp, (P(), P()), P(), timeout=-1),
+        ("timeout=-1", "timeout=600"),
+    ),
     # specs
     Case(
         "specs", "an axis used twice in one spec", lambda: P("dp", None, "dp"), ("'dp' twice", "dims 0 and 2")
@@ -233,6 +239,18 @@ CASES: tuple[Case, ...] = (
         "a result that is not a tensor",
         lambda: _step(_returns_float, (P(),), (P(), P()))(X),
         ("result[1]", "float"),
+    ),
+    Case(
+        "pytrees",
+        "None as a spec",
+        lambda: _step(_mlp, ({"w1": P(), "w2": None}, P()), P())(PARAMS, X),
+        ("params['w2']", "the spec is None", "P()"),
+    ),
+    Case(
+        "pytrees",
+        "a step called with keyword arguments",
+        lambda: _step(_mlp, (P(), P()), P())(PARAMS, x=X),
+        ("keyword arguments (x)", "_mlp(params, x)"),
     ),
     Case(
         "pytrees",
@@ -355,6 +373,12 @@ CASES: tuple[Case, ...] = (
         "an unknown remat policy",
         lambda: shardspec.remat(_mlp, policy="save_everything"),
         ("policy='save_everything'", "save_matmuls"),
+    ),
+    Case(
+        "memory",
+        "a bucket size that is not a positive int",
+        lambda: _step(_mlp, (P(), P("dp")), P(), passes={"bucket_bytes": "1MB"})(PARAMS, X),
+        ("'bucket_bytes': '1MB'", "positive number of bytes", "25 * 2**20"),
     ),
     Case(
         "memory",

@@ -94,6 +94,15 @@ def options(spec: Any) -> PassOptions:
             )
         if "memory_budget" in spec:
             check_budget(spec["memory_budget"])
+        for key in ("bucket_bytes", "zero_bucket_bytes"):
+            size = spec.get(key)
+            if key in spec and not (size is None and key == "zero_bucket_bytes") and not _positive_int(size):
+                raise fail(
+                    f"sharded(passes={{{key!r}: {size!r}}}) is not a positive number of bytes.",
+                    f"give {key} as an int, e.g. 25 * 2**20 for 25 MiB"
+                    + (", or None for the default" if key == "zero_bucket_bytes" else "")
+                    + ".",
+                )
         if not unknown:
             return replace(PassOptions(), **dict(spec))
     elif isinstance(spec, Sequence) and not isinstance(spec, str):
@@ -109,6 +118,10 @@ def options(spec: Any) -> PassOptions:
         "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes', 'reduce_dtype', 'pack_early' and "
         "'memory_budget').",
     )
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 Inputs = Sequence[tuple[Sequence[int], torch.dtype]]
