@@ -99,3 +99,12 @@ def test_the_gradient_of_interpolate_under_a_split_batch_uses_this_ranks_input_s
         f = sharded(shardspec.value_and_grad(loss), mesh=mesh, in_specs=(P("dp"),), out_specs=(P(), P("dp")))
         for got, want in zip(f(x), shardspec.value_and_grad(loss)(x), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reshaping_an_empty_tensor_is_not_refused():
+    """Sizes with a 0 give the view rule no products to match: every dim stays whole (no data)."""
+    mesh = Mesh({"dp": 2}, simulate=True)
+    for shape, new, spec in (((2, 0), (0,), P()), ((2, 0), (0,), P("dp")), ((2, 0, 3), (0, 3), P())):
+        x = torch.zeros(shape)
+        got = sharded(lambda x, new=new: x.reshape(new) + 1, mesh=mesh, in_specs=(spec,), out_specs=P())(x)
+        assert got.shape == new
