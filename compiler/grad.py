@@ -52,10 +52,27 @@ def value_and_grad(
             f"{sorted(set(batches) & set(nums))} are both differentiated and split into microbatches.",
             "list in batch_argnums only the batch arguments (inputs, labels), not the parameters.",
         )
-    grad_fn = torch.func.grad_and_value(fn, argnums=argnums if isinstance(argnums, int) else nums)
+    name = getattr(fn, "__name__", "the function")
+
+    def scalar(*args: Any) -> torch.Tensor:
+        out = fn(*args)
+        if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
+            what = (
+                f"a {type(out).__name__}"
+                if not isinstance(out, torch.Tensor)
+                else (f"a {out.dtype} tensor of shape {tuple(out.shape)}")
+            )
+            raise fail(
+                f"value_and_grad({name}) needs a floating-point scalar loss, but {name} returned {what}.",
+                "reduce the loss to one value (e.g. .mean() or .sum()) before returning it.",
+            )
+        return out
+
+    grad_fn = torch.func.grad_and_value(scalar, argnums=argnums if isinstance(argnums, int) else nums)
 
     def run(*args: Any) -> tuple[torch.Tensor, Any]:
         call = next(_CALLS)
+        _check_differentiable(nums, argnums, args)
         if microbatches is None or microbatches == 1:
             grads, loss = _labelled(grad_fn, 0, call, args)
             return loss, grads
@@ -85,6 +102,27 @@ def value_and_grad(
         return total_loss / microbatches, optree.tree_map(lambda g: g / microbatches, total_grads)
 
     return run
+
+
+def _check_differentiable(nums: tuple[int, ...], argnums: Any, args: tuple[Any, ...]) -> None:
+    """The differentiated arguments exist and hold floating-point tensors only."""
+    if bad := [n for n in nums if not isinstance(n, int) or not -len(args) <= n < len(args)]:
+        raise fail(
+            f"value_and_grad(argnums={argnums!r}) names argument(s) {bad}, but the function was "
+            f"called with {len(args)} argument(s).",
+            f"name positions 0 to {len(args) - 1} (the arguments to differentiate, e.g. the parameters).",
+        )
+    for n in nums:
+        paths, leaves, _ = optree.tree_flatten_with_path(args[n], none_is_leaf=False)
+        for path, leaf in zip(paths, leaves, strict=True):
+            if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+                where = f"argument {n}" + "".join(f"[{p!r}]" for p in path)
+                raise fail(
+                    f"value_and_grad: {where} is a {leaf.dtype} tensor of shape {tuple(leaf.shape)}, "
+                    "and only floating-point tensors have gradients.",
+                    "differentiate only the float parameters: pass integer leaves (token ids, step "
+                    "counters) in another argument, or cast them to a float dtype.",
+                )
 
 
 def _labelled(grad_fn: Callable[..., Any], k: int, call: int, args: tuple[Any, ...]) -> Any:

@@ -304,6 +304,20 @@ CASES: tuple[Case, ...] = (
     # autograd
     Case(
         "autograd",
+        "value_and_grad of a loss that is not a scalar",
+        lambda: _step(shardspec.value_and_grad(lambda w, x: x @ w), (P(), P("dp")), P())(torch.ones(4, 2), X),
+        ("needs a floating-point scalar loss", "shape (4, 2)", ".mean()"),
+    ),
+    Case(
+        "autograd",
+        "value_and_grad with respect to an integer tensor",
+        lambda: _step(shardspec.value_and_grad(lambda p, x: (x * p["s"]).sum()), (P(), P()), P())(
+            {"s": torch.tensor(2)}, X
+        ),
+        ("argument 0['s'] is a torch.int64 tensor", "only floating-point tensors", "another argument"),
+    ),
+    Case(
+        "autograd",
         "torch.func.grad through a sharded step",
         _grad_outside,
         ("torch.func transform", "value_and_grad"),
