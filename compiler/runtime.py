@@ -20,7 +20,7 @@ from compiler.inductor import check_backend, runner
 from compiler.lowered import Lowered
 from compiler.program import Program, broadcast_specs, compile_program
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
-from compiler.trace import arg_names
+from compiler.trace import arg_names, path_str
 from shardspec.errors import fail
 from shardspec.layout import shard, unshard
 from shardspec.mesh import Mesh
@@ -88,6 +88,8 @@ class ShardedFunction:
             inputs.check_not_dtensor(self.fn, args, self.mesh)
         key = inputs.signature(self.fn, args)
         if key not in self._cache:
+            if len(self._cache) == RECOMPILE_WARNING - 1:
+                self._warn_recompiles(key, args)
             device = None if self.mesh.simulated else self.mesh.device_mesh.device_type
             globals_ = tuple(_global_view(a, device) for a in args)
             token = _TRACING.set(self.mesh)
@@ -108,6 +110,32 @@ class ShardedFunction:
             finally:
                 _TRACING.reset(token)
         return self._cache[key], key
+
+    def _warn_recompiles(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> None:
+        """A step compiled again and again is almost always a Python number that changes every
+        call (a learning-rate schedule): name the leaves that made this call's key new."""
+        import warnings
+
+        first = next(iter(self._cache))
+        paths = optree.tree_paths(cast(Any, args), none_is_leaf=False)
+        names = arg_names(self.fn, len(args))
+        changed = [
+            path_str(names[p[0]], p[1:])
+            for p, a, b in zip(paths, key[1], first[1], strict=False)
+            if a != b and a[0] != "Tensor"
+        ]
+        warnings.warn(
+            f"shardspec: {self.__name__} is compiling its {RECOMPILE_WARNING}th program (one per "
+            "argument signature; Python numbers are compiled in as constants)"
+            + (
+                f"; the Python values of {', '.join(changed[:5])} differ from the first call's"
+                if changed
+                else ""
+            )
+            + ". Pass a number that changes between calls as a 0-dim tensor (torch.tensor(lr)) to "
+            "compile once.",
+            stacklevel=4,
+        )
 
     def lower(self, *args: Any) -> Lowered:
         return Lowered(self._program(args)[0])
@@ -214,6 +242,8 @@ class ShardedFunction:
             ],
         )
 
+
+RECOMPILE_WARNING = 8  # programs of one step after which a warning names the changing scalars
 
 # Tensors given up by an earlier call (donate=): id -> (weak reference, argument path, step name)
 _DONATED: dict[int, tuple[weakref.ref[Any], str, str]] = {}

@@ -97,6 +97,12 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
     leaf_paths = [path_str(names[p[0]], p[1:]) for p in paths]
     positions = []
     for i, (path, leaf) in enumerate(zip(leaf_paths, leaves, strict=True)):
+        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+            raise fail(
+                f"{path}: a {leaf.layout} tensor of shape {tuple(leaf.shape)}; a sharded step takes "
+                "dense (strided) tensors.",
+                f"pass {path}.to_dense(), or keep the sparse computation outside the step.",
+            )
         if isinstance(leaf, torch.Tensor):
             positions.append(i)
         elif not isinstance(leaf, _STATIC):

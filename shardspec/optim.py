@@ -221,6 +221,15 @@ def _multi_inplace_fake(
     return None
 
 
+def _numbers(call: str, fix: str, **values: Any) -> None:
+    """Each hyperparameter is a Python number or a 0-dim tensor (a learning rate passed per step)."""
+    for name, v in values.items():
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = ok or (isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point())
+        if not ok:
+            raise fail(f"{call}: {name}={v!r} is not a number.", fix)
+
+
 def sgd(lr: float, momentum: float = 0.0) -> SGD:
     """Stochastic gradient descent, with optional (heavy-ball) momentum, as torch.optim.SGD.
 
@@ -229,6 +238,7 @@ def sgd(lr: float, momentum: float = 0.0) -> SGD:
         opt = optim.sgd(lr=0.1, momentum=0.9)
         params, state = opt.update(grads, opt.init(params), params)
     """
+    _numbers("sgd", "pass e.g. sgd(lr=0.1, momentum=0.9).", lr=lr, momentum=momentum)
     if lr <= 0 or momentum < 0:
         raise fail(
             f"sgd(lr={lr}, momentum={momentum}): lr must be > 0 and momentum >= 0.",
@@ -252,6 +262,10 @@ def adamw(
         state = opt.init(params)
         params, state = opt.update(grads, state, params)
     """
+    fix = "pass numbers, e.g. adamw(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)."
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise fail(f"adamw: betas={betas!r} is not a pair of numbers.", fix)
+    _numbers("adamw", fix, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
     if lr <= 0 or not all(0 <= b < 1 for b in betas) or eps <= 0 or weight_decay < 0:
         raise fail(
             f"adamw(lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}): out of range.",

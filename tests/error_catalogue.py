@@ -264,6 +264,12 @@ CASES: tuple[Case, ...] = (
         lambda: unshard([torch.zeros(2, 2), torch.zeros(2, 3)], DP, P(None, "dp")),
         ("rank 0 holds shape (2, 2)", "(2, 5)"),
     ),
+    Case(
+        "pytrees",
+        "a sparse tensor argument",
+        lambda: _step(lambda x: x * 2, (P(),), P())(torch.eye(4).to_sparse()),
+        ("x: a torch.sparse_coo tensor of shape (4, 4)", "x.to_dense()"),
+    ),
     # function purity
     Case(
         "purity",
@@ -366,6 +372,12 @@ CASES: tuple[Case, ...] = (
         "an SGD hyper-parameter out of range",
         lambda: optim.sgd(lr=0.1, momentum=-1.0),
         ("momentum=-1.0", "momentum >= 0"),
+    ),
+    Case(
+        "optim",
+        "a hyperparameter that is not a number",
+        lambda: optim.adamw(lr="3e-4"),
+        ("lr='3e-4' is not a number", "adamw(lr=3e-4"),
     ),
     # memory
     Case(

@@ -180,3 +180,13 @@ def test_a_rank_whose_program_raises_leaves_the_others_an_error_not_a_hang(uneve
     waited, raised = run_distributed(fns.one_rank_raises, 2, args=(uneven,), timeout=60)
     assert "did not complete within 3 s" in waited and "start it again" in waited, waited
     assert "index 99 is out of bounds" in raised, raised
+
+
+def test_a_step_recompiled_for_every_learning_rate_warns_naming_it():
+    step = sharded(_scale, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    with pytest.warns(UserWarning, match=r"compiling its 8th program.*values of s differ.*0-dim tensor"):
+        for i in range(8):
+            step(torch.ones(4), 0.1 * (i + 1))
+    for i in range(3):  # as a 0-dim tensor: one program, whatever the value
+        step(torch.ones(4), torch.tensor(0.1 * (i + 1)))
+    assert len(step._cache) == 9
