@@ -127,6 +127,23 @@ def check_same_call(key: tuple[Any, ...], identity: str, program: int, name: str
     start_same_call(key, identity, program, name, timeout)()
 
 
+def small_positions(tensors: list[Any], plain: tuple[bool, ...]) -> tuple[int, ...]:
+    """The plain CPU tensors of at most ``SMALL`` elements: values such as a learning rate passed
+    as a 0-dim tensor, compared across ranks on every call (a GPU tensor would need a sync)."""
+    return tuple(
+        i
+        for i, (p, t) in enumerate(zip(plain, tensors, strict=True))
+        if p and t.numel() <= SMALL and t.device.type == "cpu"
+    )
+
+
+def small_values(tensors: list[Any], positions: tuple[int, ...]) -> int:
+    """A digest of the values at ``positions`` (0 when there are none)."""
+    if not positions:
+        return 0
+    return digest(repr([tensors[i].reshape(-1).tolist() for i in positions]))
+
+
 _KEY_DIGESTS: dict[tuple[Any, ...], int] = {}
 
 
@@ -142,12 +159,13 @@ def _key_digest(key: tuple[Any, ...]) -> int:
 
 
 def start_same_call(
-    key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float
+    key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float, values: int = 0
 ) -> Callable[[], None]:
     """``check_same_call`` issued now and completed by the returned function: the runtime completes
     it before the step's first collective, so the check's round trip overlaps the compute before it
-    (the forward, for data parallelism) instead of adding to every call."""
-    mine = torch.tensor([digest(identity), _key_digest(key), program], dtype=torch.int64)
+    (the forward, for data parallelism) instead of adding to every call. ``values``: a digest of
+    values that change between calls (``small_values``), kept out of the remembered key digest."""
+    mine = torch.tensor([digest(identity), _key_digest(key) ^ values, program], dtype=torch.int64)
     pending = start_disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
 
     def finish() -> None:

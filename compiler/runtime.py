@@ -53,12 +53,7 @@ class ShardedFunction:
         self.strict = strict
         self.pipeline = pipeline
         self.donate = _donate_argnums(donate)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise fail(
-                f"sharded(timeout={timeout!r}) is not a positive number of seconds.",
-                "pass how long a rank may wait for the others, e.g. timeout=600 (the default).",
-            )
-        self.check_values, self.timeout = check_values, float(timeout)
+        self.check_values, self.timeout = check_values, _seconds(timeout)
         self.passes = passes
         if not isinstance(mesh, Mesh):
             raise fail(
@@ -75,6 +70,7 @@ class ShardedFunction:
         self._cache: dict[Any, Program] = {}
         self._plans: dict[int, _RealPlan] = {}  # per program: per-call metadata and its digest
         self._values_checked: set[tuple[int, tuple[bool, ...]]] = set()
+        self._small: dict[tuple[int, tuple[bool, ...]], tuple[int, ...]] = {}  # per program and call kind
         code = getattr(fn, "__code__", None)
         where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
         # which step this is, the same on every rank (two lambdas differ by their line)
@@ -124,16 +120,16 @@ class ShardedFunction:
             for p, a, b in zip(paths, key[1], first[1], strict=False)
             if a != b and a[0] != "Tensor"
         ]
+        why = (
+            f"the Python values of {', '.join(changed[:5])} differ from the first call's. Pass a "
+            "number that changes between calls as a 0-dim tensor (torch.tensor(lr)) to compile once."
+            if changed
+            else "its arguments' shapes, dtypes or tree structure differ from the first call's. Keep "
+            "them fixed (e.g. pad the last batch), since each new signature compiles a program."
+        )
         warnings.warn(
             f"shardspec: {self.__name__} is compiling its {RECOMPILE_WARNING}th program (one per "
-            "argument signature; Python numbers are compiled in as constants)"
-            + (
-                f"; the Python values of {', '.join(changed[:5])} differ from the first call's"
-                if changed
-                else ""
-            )
-            + ". Pass a number that changes between calls as a 0-dim tensor (torch.tensor(lr)) to "
-            "compile once.",
+            f"argument signature; Python numbers are compiled in as constants): {why}",
             stacklevel=4,
         )
 
@@ -185,19 +181,18 @@ class ShardedFunction:
                 )
                 # a small plain CPU tensor is often a value that changes between calls (a learning
                 # rate passed as a 0-dim tensor to avoid recompiling): after the first call's check
-                # of every value (below), its value is checked on every call (reading a GPU tensor
-                # would synchronize the device)
-                small = (
-                    tuple(
-                        tuple(t.reshape(-1).tolist())
-                        for p, t in zip(plain, tensors, strict=True)
-                        if p and t.numel() <= inputs.SMALL and t.device.type == "cpu"
-                    )
-                    if (id(program), plain) in self._values_checked
-                    else ()
-                )
+                # of every value (below), its value is checked on every call
+                checked = (id(program), plain) in self._values_checked
+                small = self._small.get((id(program), plain)) if checked else ()
+                if small is None:
+                    small = self._small[(id(program), plain)] = inputs.small_positions(tensors, plain)
                 call = inputs.start_same_call(
-                    (key, layouts, small), self._identity, plan.digest, self.__name__, self.timeout
+                    (key, layouts),
+                    self._identity,
+                    plan.digest,
+                    self.__name__,
+                    self.timeout,
+                    inputs.small_values(tensors, small),
                 )
                 gate(call)
             if self.check_values and (id(program), plain) not in self._values_checked:
@@ -241,6 +236,23 @@ class ShardedFunction:
                 for x, s in zip(out_leaves, out_specs, strict=True)
             ],
         )
+
+
+FOREVER = 2.0**31  # seconds: timeout=None or inf (a finite deadline c10d can convert)
+
+
+def _seconds(timeout: Any) -> float:
+    """``sharded(timeout=...)`` as seconds: a positive number, or None / inf for no deadline."""
+    try:
+        seconds = FOREVER if timeout is None else float(timeout)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(timeout, (bool, str)) or not seconds > 0:
+        raise fail(
+            f"sharded(timeout={timeout!r}) is not a positive number of seconds.",
+            "pass how long a rank may wait for the others, e.g. timeout=600 (the default), or None.",
+        )
+    return min(seconds, FOREVER)
 
 
 RECOMPILE_WARNING = 8  # programs of one step after which a warning names the changing scalars

@@ -160,7 +160,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
             local.append(_block(t, where, device, own=i in program.donated))
     with torch.no_grad():
         outs = list(runner(program.programs[mesh.rank], backend)(*local))
-        if pp is None and plan.shared.candidates:
+        if plan.shared.candidates:
             plan.shared.unshare(outs, local)
     if pp is not None:
         from collectives.distributed import wait_sends

@@ -222,12 +222,24 @@ def _multi_inplace_fake(
 
 
 def _numbers(call: str, fix: str, **values: Any) -> None:
-    """Each hyperparameter is a Python number or a 0-dim tensor (a learning rate passed per step)."""
+    """Each hyperparameter is a number: a Python or NumPy one, or a one-element tensor (a learning
+    rate passed per step, whose range is not checked: inside a traced step it has no value)."""
     for name, v in values.items():
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-        ok = ok or (isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point())
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            continue
+        try:
+            ok = not isinstance(v, (str, bytes, bool)) and float(v) == float(v)
+        except (TypeError, ValueError):
+            ok = False
         if not ok:
             raise fail(f"{call}: {name}={v!r} is not a number.", fix)
+
+
+def _below(x: Any, bound: float, *, equal: bool = False) -> bool:
+    """``x < bound`` (or ``<=``) for a number; never for a tensor (traced, it has no value)."""
+    if isinstance(x, torch.Tensor):
+        return False
+    return float(x) <= bound if equal else float(x) < bound
 
 
 def sgd(lr: float, momentum: float = 0.0) -> SGD:
@@ -239,7 +251,7 @@ def sgd(lr: float, momentum: float = 0.0) -> SGD:
         params, state = opt.update(grads, opt.init(params), params)
     """
     _numbers("sgd", "pass e.g. sgd(lr=0.1, momentum=0.9).", lr=lr, momentum=momentum)
-    if lr <= 0 or momentum < 0:
+    if _below(lr, 0, equal=True) or _below(momentum, 0):
         raise fail(
             f"sgd(lr={lr}, momentum={momentum}): lr must be > 0 and momentum >= 0.",
             "pass e.g. sgd(lr=0.1, momentum=0.9).",
@@ -263,10 +275,13 @@ def adamw(
         params, state = opt.update(grads, state, params)
     """
     fix = "pass numbers, e.g. adamw(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)."
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise fail(f"adamw: betas={betas!r} is not a pair of numbers.", fix)
-    _numbers("adamw", fix, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-    if lr <= 0 or not all(0 <= b < 1 for b in betas) or eps <= 0 or weight_decay < 0:
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise fail(f"adamw: betas={betas!r} is not a pair of numbers.", fix) from None
+    _numbers("adamw", fix, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    bad_betas = any(_below(b, 0) or (not _below(b, 1) and not isinstance(b, torch.Tensor)) for b in betas)
+    if _below(lr, 0, equal=True) or bad_betas or _below(eps, 0, equal=True) or _below(weight_decay, 0):
         raise fail(
             f"adamw(lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}): out of range.",
             "use lr > 0, 0 <= betas < 1, eps > 0, weight_decay >= 0.",

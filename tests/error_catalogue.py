@@ -402,9 +402,9 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "memory",
-        "a bucket size that is not a positive int",
+        "a bucket size that is not a number of bytes",
         lambda: _step(_mlp, (P(), P("dp")), P(), passes={"bucket_bytes": "1MB"})(PARAMS, X),
-        ("'bucket_bytes': '1MB'", "positive number of bytes", "25 * 2**20"),
+        ("'bucket_bytes': '1MB'", "not a number of bytes", "25 * 2**20"),
     ),
     Case(
         "memory",

@@ -190,3 +190,17 @@ def test_a_step_recompiled_for_every_learning_rate_warns_naming_it():
     for i in range(3):  # as a 0-dim tensor: one program, whatever the value
         step(torch.ones(4), torch.tensor(0.1 * (i + 1)))
     assert len(step._cache) == 9
+
+
+def test_timeouts_and_bucket_sizes_take_any_number_users_write():
+    import numpy as np
+
+    for timeout in (None, float("inf"), np.int64(5), 30):
+        sharded(_scale, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"), timeout=timeout)(
+            torch.ones(4), 2.0
+        )
+    for size in (0, 25e6, np.int64(1 << 20), torch.tensor(1000)):
+        step = sharded(
+            _scale, mesh=MESH, in_specs=(P("dp"), P()), out_specs=P("dp"), passes={"bucket_bytes": size}
+        )
+        assert torch.equal(step(torch.ones(4), 2.0), torch.full((4,), 2.0))

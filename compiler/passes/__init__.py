@@ -94,15 +94,20 @@ def options(spec: Any) -> PassOptions:
             )
         if "memory_budget" in spec:
             check_budget(spec["memory_budget"])
+        sizes = {}
         for key in ("bucket_bytes", "zero_bucket_bytes"):
             size = spec.get(key)
-            if key in spec and not (size is None and key == "zero_bucket_bytes") and not _positive_int(size):
+            if key not in spec or (size is None and key == "zero_bucket_bytes"):
+                continue
+            if _byte_count(size) is None:
                 raise fail(
-                    f"sharded(passes={{{key!r}: {size!r}}}) is not a positive number of bytes.",
-                    f"give {key} as an int, e.g. 25 * 2**20 for 25 MiB"
+                    f"sharded(passes={{{key!r}: {size!r}}}) is not a number of bytes.",
+                    f"give {key} as a number of bytes, e.g. 25 * 2**20 for 25 MiB"
                     + (", or None for the default" if key == "zero_bucket_bytes" else "")
                     + ".",
                 )
+            sizes[key] = _byte_count(size)
+        spec = {**spec, **sizes}
         if not unknown:
             return replace(PassOptions(), **dict(spec))
     elif isinstance(spec, Sequence) and not isinstance(spec, str):
@@ -120,8 +125,16 @@ def options(spec: Any) -> PassOptions:
     )
 
 
-def _positive_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+def _byte_count(x: Any) -> int | None:
+    """``x`` as a whole number of bytes >= 0 (an int, a float such as 25e6, a NumPy or 0-dim torch
+    number), or None for anything else (a string, a bool, a negative or fractional size)."""
+    if isinstance(x, (str, bytes, bool)):
+        return None
+    try:
+        n = float(x)
+    except (TypeError, ValueError):
+        return None
+    return int(n) if n >= 0 and n == int(n) else None
 
 
 Inputs = Sequence[tuple[Sequence[int], torch.dtype]]
