@@ -268,10 +268,18 @@ def _leave_group() -> None:
     """At exit, tear down the process group this module made (when the program has not): left to
     the interpreter's teardown, gloo's threads outlive the group's owner and a rank can abort
     ('terminate called without an active exception') after its work is done."""
+    import datetime
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:  # no rank tears down its connections while a peer still reads from them
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
+    except Exception:  # a peer died or never arrives: nothing left to wait for
+        pass
+    dist.destroy_process_group()
 
 
 def _connect(mesh: Mesh) -> tuple[int, DeviceMesh]:
