@@ -110,14 +110,39 @@ KEPT_FUSED: tuple[Any, ...] = (
     aten._log_softmax_backward_data.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 )
+# Views the rules take as they are: decomposing each into a permute or squeeze.dims doubles its
+# tracing work (the decomposition is traced as an op of its own). Rewritten before a functionalize
+# replay (``views_as_permutes``).
+KEPT_VIEWS: tuple[Any, ...] = (aten.transpose.int, aten.t.default, aten.squeeze.dim)
 
 
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
-    """Core-ATen decompositions plus ours, minus the fused kernels that have rules (built once:
-    collecting torch's table walks every op's overloads)."""
+    """Core-ATen decompositions plus ours, minus the fused kernels that have rules and the views in
+    KEPT_VIEWS (built once: collecting torch's table walks every op's overloads)."""
     table = cast(dict[Any, Callable[..., Any]], dict(core_aten_decompositions()))
-    for op in KEPT_FUSED:
+    for op in (*KEPT_FUSED, *KEPT_VIEWS):
         table.pop(op, None)
     table.update(_EXTRA_DECOMPOSITIONS)
     return table
+
+
+def views_as_permutes(graph: torch.fx.Graph) -> None:
+    """Rewrite the KEPT_VIEWS nodes as the ``permute`` and ``squeeze.dims`` they decompose to.
+    Functionalize replays a ``t`` or ``transpose`` as a view plus a contiguous clone, which the
+    kernel after it then reads in another memory order than eager's (matmuls round differently)."""
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in KEPT_VIEWS:
+            continue
+        x = n.args[0]
+        rank = n.args[0].meta["val"].dim()
+        if n.target is aten.squeeze.dim:
+            n.target, n.args = aten.squeeze.dims, (x, [n.args[1]])
+            continue
+        order = list(range(rank))
+        if n.target is aten.t.default:
+            order.reverse()
+        elif rank > 1:  # a transpose of a 0-d or 1-d tensor is the tensor itself
+            a, b = (int(d) % rank for d in n.args[1:3])
+            order[a], order[b] = order[b], order[a]
+        n.target, n.args = aten.permute.default, (x, order)

@@ -27,7 +27,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from compiler.decompose import decompositions
+from compiler.decompose import decompositions, views_as_permutes
 from compiler.distinct import split_shared_operands
 from compiler.rewrites import RANDOM_OPS, Rewrites
 from compiler.sources import SourceTracker, source_of, user_frame
@@ -187,6 +187,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
         _reject_scalar_extraction(first)
         if _already_functional(first):
             return first
+        views_as_permutes(first.graph)
         replay = torch.fx.Interpreter(first).run
         return make_fx(
             torch.func.functionalize(replay, remove="mutations_and_views"),

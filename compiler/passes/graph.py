@@ -96,6 +96,7 @@ _META, _CPU = torch.device("meta"), torch.device("cpu")
 
 def _meta_propagate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]], mode: Any) -> None:
     env: dict[Node, Any] = {}
+    seen: dict[Any, Any] = {}  # an op's result layout by its inputs' (repeated layers repeat them)
     holders = iter(inputs)
 
     def arg(a: Any) -> Any:
@@ -122,7 +123,16 @@ def _meta_propagate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch
             t = getattr(gm, n.target)
             env[n] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
         elif n.op == "call_function":
-            env[n] = n.target(*arg(n.args), **arg(n.kwargs))
+            args, kwargs = arg(n.args), arg(n.kwargs)
+            key = _meta_key(n.target, args, kwargs)
+            if key is None:
+                env[n] = n.target(*args, **kwargs)
+            elif key in seen:
+                env[n] = _rebuild(seen[key])
+            else:
+                env[n] = n.target(*args, **kwargs)
+                with contextlib.suppress(TypeError):
+                    seen[key] = _layout(env[n])
         elif n.op == "output":
             env[n] = arg(n.args[0])
         else:
@@ -130,6 +140,52 @@ def _meta_propagate(gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch
         value = fake(env[n])
         if value is not None:
             n.meta["val"] = value
+
+
+def _meta_key(target: Any, args: Any, kwargs: Any) -> Any:
+    """What a fresh-result op's meta kernel reads (the op, its tensors' shapes, strides, offsets
+    and dtypes, its other arguments), or None where the result may alias an input (it must be
+    computed to share that input's storage) or an argument cannot be compared."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.is_mutable or target in _HIDDEN_ALIASES:
+        return None
+    if any(r.alias_info is not None for r in schema.returns):
+        return None
+    try:
+        key = (target, _key_of(args), _key_of(kwargs))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _key_of(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (torch.Tensor, tuple(a.shape), a.stride(), a.storage_offset(), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return (type(a), tuple(_key_of(x) for x in a))
+    if isinstance(a, dict):
+        return (dict, tuple((k, _key_of(v)) for k, v in a.items()))
+    return (type(a), a)
+
+
+def _layout(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_layout(x) for x in v))
+    if v is None or isinstance(v, (int, float, bool)):
+        return (None, v)
+    raise TypeError(type(v))
+
+
+def _rebuild(layout: Any) -> Any:
+    """A meta tensor (or structure of them) of a remembered result layout."""
+    if isinstance(layout[0], tuple):
+        shape, stride, dtype = layout
+        return torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+    kind, inner = layout
+    return inner if kind is None else kind(_rebuild(x) for x in inner)
 
 
 def val(n: Any) -> Any:
@@ -156,13 +212,46 @@ def make(
         return node
     fake = next((v for v in _vals(args) if isinstance(v, torch.Tensor)), None)
     mode = getattr(fake, "fake_mode", None)
-    if mode is not None:
+    if fake is None or mode is None:
+        return node
+    if target is operator.getitem:
         with mode:
-            if target is operator.getitem:
-                node.meta["val"] = val(args[0])[args[1]]
-            else:
-                node.meta["val"] = target(*_map_vals(args), **_map_vals(kwargs))
+            node.meta["val"] = val(args[0])[args[1]]
+        return node
+    try:  # the meta kernel on meta tensors sharing the fake values' storage: about 5x cheaper
+        out = target(*_map_meta(args), **_map_meta(kwargs))
+        node.meta["val"] = _as_fake(out, mode, fake.device)
+    except Exception:
+        with mode:
+            node.meta["val"] = target(*_map_vals(args), **_map_vals(kwargs))
     return node
+
+
+def _map_meta(a: Any) -> Any:
+    """``a`` with each node's fake value as a meta tensor on the same storage."""
+    if isinstance(a, Node):
+        v = val(a)
+        if isinstance(v, FakeTensor):
+            m = torch.empty(0, dtype=v.dtype, device=_META)
+            return m.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+        if isinstance(v, torch.Tensor):
+            raise TypeError("a real tensor among fake values")
+        return v
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map_meta(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _map_meta(v) for k, v in a.items()}
+    if isinstance(a, torch.device):
+        raise TypeError("a device argument: the result's device is the op's to say")
+    return a
+
+
+def _as_fake(v: Any, mode: Any, device: torch.device) -> Any:
+    if isinstance(v, torch.Tensor):
+        return FakeTensor(mode, v, device)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_as_fake(x, mode, device) for x in v)
+    return v
 
 
 def _vals(args: Any) -> list[Any]:
