@@ -47,9 +47,9 @@ class Lookahead(PropagatorBase):
                 if len(flat) == len(set(flat)) and any(d is not None for d in dims):
                     self.want[op] = dims
 
-    def want_target(self, node: Node, outputs: tuple[Sharding, ...]) -> Sharding | None:
-        """The output's want merged with the candidate where the want has no preference."""
-        w = self.want.get(node) or self.consumer_hint(node)
+    def want_target(self, w: Want | None, outputs: tuple[Sharding, ...]) -> Sharding | None:
+        """The output's want (``w``: the node's want or its consumers' hint) merged with the
+        candidate where the want has no preference."""
         if w is None or len(outputs) != 1 or len(w) != len(outputs[0].dims):
             return None
         dims = [axes if axes is not None else () for axes in w]

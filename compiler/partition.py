@@ -180,9 +180,8 @@ class _Partitioner:
         if node.target is CONSTRAIN:
             self.env[node] = mapped[node.args[0]]  # type: ignore[index]
             return
-        out = p.outputs[0]
-        single = isinstance(node.meta["val"], torch.Tensor)
-        lshape = self.local(shape(node), out) if single else None
+        single = isinstance(node.meta.get("val"), torch.Tensor)  # none: an op with no result
+        lshape = self.local(shape(node), p.outputs[0]) if single else None
         if node.target in _LIKE:
             fill = node.args[1] if _LIKE[node.target] is None else _LIKE[node.target]
             val = node.meta["val"]

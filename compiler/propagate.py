@@ -29,9 +29,11 @@ from compiler.propagate_state import (
     CONSTRAIN,
     OpPlan,
     Propagation,
+    Want,
+    factor_sizes,
     shape,
 )
-from compiler.reshard import cost, plan
+from compiler.reshard import Step, cost, plan
 from compiler.rules.notation import Rule, parse
 from compiler.rules.registry import NO_EMPTY_BLOCKS
 from compiler.sharding import Axes, Sharding
@@ -79,10 +81,12 @@ class _Propagator(Lookahead, PendingSums):
         for o, toks in zip(operands, rule.operands, strict=True):
             if len(toks) != len(shape(o)):
                 raise AssertionError(f"rule {rule.text} does not fit {node.target} operand {shape(o)}")
+        sizes = factor_sizes(rule, operands, node)
+        hint = self.want.get(node) or self.consumer_hint(node)  # the same for every candidate
         scored = [
             s
             for a in self.candidates(node, rule, operands, current)
-            if (s := self.score(node, rule, operands, current, a)) is not None
+            if (s := self.score(node, rule, operands, current, a, sizes, hint)) is not None
         ]
         assert scored, f"no valid sharding for {node.target}"
         scored.sort(key=lambda s: s[0])
@@ -149,9 +153,15 @@ class _Propagator(Lookahead, PendingSums):
         return out
 
     def score(
-        self, node: Node, rule: Rule, operands: list[Node], current: list[Sharding], a: dict[str, Axes]
+        self,
+        node: Node,
+        rule: Rule,
+        operands: list[Node],
+        current: list[Sharding],
+        a: dict[str, Axes],
+        sizes: dict[str, int],
+        hint: Want | None,
     ) -> tuple[Any, OpPlan] | None:
-        sizes = self.factor_sizes(rule, operands, node)
         no_empty = set(rule.factors) if node.target in NO_EMPTY_BLOCKS else rule.reductions
         for f in no_empty:  # some kernels (convolution, and any sum over nothing) reject empty blocks
             if a[f] and min(chunk_sizes(sizes.get(f, 0), self.mesh.axis_size(a[f]))) == 0:
@@ -175,7 +185,7 @@ class _Propagator(Lookahead, PendingSums):
             if s != r and (o, r) in self.memo:
                 reused += 1  # an earlier op already paid to move this value here
             elif (o, r) not in self.memo:
-                steps = plan(shape(o), o.meta["val"].dtype, s, r, self.mesh)
+                steps = self.plan(o, s, r)
                 b, c = cost(steps)
                 moves = cost([st for st in steps if st.kind in ("all_gather", "all_to_all")])[0]
                 if s.dims != r.dims and not self.param_like(o):
@@ -194,26 +204,22 @@ class _Propagator(Lookahead, PendingSums):
                 for k, t in enumerate(toks)
             ):
                 penalty += 1
-        target = self.want_target(node, outputs)
+        target = self.want_target(hint, outputs)
         if target is not None:
-            b, c = cost(plan(shape(node), node.meta["val"].dtype, outputs[0], target, self.mesh))
+            b, c = cost(self.plan(node, outputs[0], target))
             nbytes, ncoll = nbytes + b, ncoll + c
         nsplit = sum(1 for axes in a.values() if axes)
         p = OpPlan(rule, tuple(operands), required, outputs, tuple(sorted(a.items())))
         return (penalty, nbytes, ncoll, -reused, -nsplit), p
 
-    def factor_sizes(self, rule: Rule, operands: list[Node], node: Node) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        vals = node.meta["val"]
-        outs = vals if isinstance(vals, (tuple, list)) else [vals]
-        for toks, shp in [
-            *zip(rule.operands, (shape(o) for o in operands), strict=True),
-            *zip(rule.outputs, (tuple(v.shape) if v is not None else () for v in outs), strict=True),
-        ]:
-            for t, n in zip(toks, shp, strict=True):
-                if len(t) == 1:
-                    sizes[t[0]] = n
-        return sizes
+    def plan(self, value: Node, src: Sharding, dst: Sharding) -> list[Step]:
+        """The collectives moving ``value`` from ``src`` to ``dst`` (remembered: repeated layers ask
+        the same question for every candidate of every layer)."""
+        key = (shape(value), value.meta["val"].dtype, src, dst)
+        steps = self.plans.get(key)
+        if steps is None:
+            steps = self.plans[key] = list(plan(key[0], key[1], src, dst, self.mesh))
+        return steps
 
 
 def propagate(

@@ -9,6 +9,7 @@ import torch
 from torch.fx import Node
 
 from compiler.constrain import decode
+from compiler.reshard import Step
 from compiler.rules.notation import Rule, parse
 from compiler.rules.registry import MissingRule, rule_for
 from compiler.sharding import Axes, Sharding
@@ -77,11 +78,27 @@ def shape(n: Node) -> tuple[int, ...]:
     return tuple(n.meta["val"].shape)
 
 
+def factor_sizes(rule: Rule, operands: list[Node], node: Node) -> dict[str, int]:
+    """Global length of each factor that names a whole dim."""
+    sizes: dict[str, int] = {}
+    vals = node.meta.get("val")  # none for an op with no result (a check that may raise)
+    outs = vals if isinstance(vals, (tuple, list)) else [] if vals is None else [vals]
+    pairs = [
+        *zip(rule.operands, (shape(o) for o in operands), strict=True),
+        *zip(rule.outputs, (tuple(v.shape) if v is not None else () for v in outs), strict=True),
+    ]
+    for toks, shp in pairs:
+        for t, n in zip(toks, shp, strict=False):
+            if len(t) == 1:
+                sizes[t[0]] = n
+    return sizes
+
+
 def _replicate_rule(node: Node) -> tuple[Rule, list[Node]]:
     operands = list(node.all_input_nodes)  # tensors nested in list arguments and kwargs too
     toks = [[f"o{i}_{d}!" for d in range(len(shape(a)))] for i, a in enumerate(operands)]
-    vals = node.meta["val"]
-    outs = vals if isinstance(vals, (tuple, list)) else [vals]
+    vals = node.meta.get("val")  # none for an op with no result (a check that may raise)
+    outs = vals if isinstance(vals, (tuple, list)) else [] if vals is None else [vals]
     # a multi-result op may return None for results nobody asked for (convolution_backward's mask)
     otoks = [[f"r{i}_{d}!" for d in range(v.dim() if v is not None else 0)] for i, v in enumerate(outs)]
     from compiler.rules.notation import line
@@ -110,12 +127,17 @@ class PropagatorBase:
         self.rules: dict[Node, tuple[Rule, list[Node]]] = {}
         self.partial_hint: set[Node] = set()  # values that ended Partial in the previous pass
         self.reduce_now: dict[tuple[Node, Node], bool] = {}  # (pending value, consumer) -> reduce?
+        self.plans: dict[tuple[Any, ...], list[Step]] = {}  # (shape, dtype, src, dst) -> collectives
 
     def rule(self, node: Node) -> tuple[Rule, list[Node]]:
         if node not in self.rules:
             try:
                 self.rules[node] = rule_for(node)
             except MissingRule:
+                if self.unsupported != "replicate" and self.held_whole(node):
+                    # every rank holds every operand whole: running it replicated moves nothing.
+                    # Not remembered: a later sweep may find its operands split
+                    return _replicate_rule(node)
                 if self.unsupported != "replicate":
                     where = source_of(node) or "an op with no recorded source line"
                     raise fail(
@@ -133,6 +155,14 @@ class PropagatorBase:
                 self.rules[node] = _replicate_rule(node)
                 self.result.notes.append(f"replicated fallback for {node.target} ({source_of(node)})")
         return self.rules[node]
+
+    def held_whole(self, node: Node) -> bool:
+        """Whether every operand of ``node`` is already placed whole (replicated, no pending sum)."""
+        for o in node.all_input_nodes:
+            s = self.result.value.get(o)
+            if not isinstance(s, Sharding) or any(s.dims) or s.partial:
+                return False
+        return True
 
     def constraint(self, node: Node) -> Sharding:
         """The sharding a ``constrain`` node pins, checked against the mesh."""

@@ -15,7 +15,7 @@ import itertools
 import torch
 from torch.fx import Node
 
-from compiler.propagate_state import _VIEW_LIKE, OpPlan, shape
+from compiler.propagate_state import _VIEW_LIKE, OpPlan, factor_sizes
 from compiler.rules.notation import Rule
 from compiler.rules.registry import NO_EMPTY_BLOCKS
 from compiler.sharding import Axes, Sharding
@@ -23,22 +23,6 @@ from shardspec.layout import chunk_sizes
 from shardspec.mesh import Mesh
 
 VIEWS = _VIEW_LIKE
-
-
-def factor_sizes(rule: Rule, operands: list[Node], node: Node) -> dict[str, int]:
-    """Global length of each factor that names a whole dim."""
-    sizes: dict[str, int] = {}
-    vals = node.meta["val"]
-    outs = vals if isinstance(vals, (tuple, list)) else [vals]
-    pairs = [
-        *zip(rule.operands, (shape(o) for o in operands), strict=True),
-        *zip(rule.outputs, (tuple(v.shape) if v is not None else () for v in outs), strict=True),
-    ]
-    for toks, shp in pairs:
-        for t, n in zip(toks, shp, strict=False):
-            if len(t) == 1:
-                sizes[t[0]] = n
-    return sizes
 
 
 def _ordered(axes: set[str], mesh: Mesh) -> Axes:

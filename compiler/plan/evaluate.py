@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from compiler.plan.candidates import VIEWS, factor_sizes
+from compiler.plan.candidates import VIEWS
 from compiler.plan.costmodel import CostModel, op_flops
-from compiler.propagate_state import CONSTRAIN, OpPlan, Propagation, shape
+from compiler.propagate_state import CONSTRAIN, OpPlan, Propagation, factor_sizes, shape
 from compiler.reshard import plan
 from compiler.sharding import Sharding
 from compiler.sources import source_of
