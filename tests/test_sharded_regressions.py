@@ -108,3 +108,41 @@ def test_reshaping_an_empty_tensor_is_not_refused():
         x = torch.zeros(shape)
         got = sharded(lambda x, new=new: x.reshape(new) + 1, mesh=mesh, in_specs=(spec,), out_specs=P())(x)
         assert got.shape == new
+
+
+def test_an_op_without_a_rule_runs_where_its_operands_are_held_whole():
+    """Replicated operands: running the op on every rank moves nothing, so it is not refused
+    (circular pad's backward, the error check torch.linalg.solve ends with); split ones still are."""
+    import torch.nn.functional as F
+
+    import shardspec
+    from shardspec.errors import ShardingError
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+
+    def loss(x):
+        return F.pad(x, (1, 2), mode="circular").square().sum()
+
+    x = torch.randn(4, 3, 5)
+    step = sharded(shardspec.value_and_grad(loss), mesh=mesh, in_specs=(P(),), out_specs=(P(), P()))
+    for got, want in zip(step(x), shardspec.value_and_grad(loss)(x), strict=True):
+        torch.testing.assert_close(got, want)
+    split = sharded(shardspec.value_and_grad(loss), mesh=mesh, in_specs=(P("dp"),), out_specs=(P(), P("dp")))
+    try:
+        split(x)
+        raise AssertionError("a split operand of an op without a rule was not refused")
+    except ShardingError as e:
+        assert "no sharding rule" in str(e) and "unsupported='replicate'" in str(e)
+
+    a, b = torch.randn(4, 4) + 4 * torch.eye(4), torch.randn(4, 6)
+
+    def solve(a, b):
+        return torch.linalg.solve(a, b) * 2
+
+    for unsupported in ("error", "replicate"):  # 'replicate' crashed on the check's missing result
+        f = sharded(
+            solve, mesh=mesh, in_specs=(P(), P(None, "dp")), out_specs=P(None, "dp"), unsupported=unsupported
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(f(a, b), solve(a, b))
