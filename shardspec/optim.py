@@ -81,9 +81,11 @@ def _adamw_tensor(
     hyper: tuple[float, float, float, float, float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One parameter's AdamW update: one traced node (``shardspec::adamw``, an elementwise rule)
-    where the shapes and dtypes agree, else the same formula in plain ops."""
+    where the shapes and dtypes agree and the hyperparameters are numbers, else the same formula in
+    plain ops (a tensor lr, e.g. a schedule's value passed into the step, stays a tensor)."""
     if (
-        p.shape == g.shape == m.shape == v.shape
+        all(isinstance(h, (int, float)) for h in hyper)
+        and p.shape == g.shape == m.shape == v.shape
         and p.dtype == g.dtype == m.dtype == v.dtype
         and step.dim() == 0
     ):
