@@ -59,10 +59,6 @@ def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
         raise fail(f"constrain: spec must be a P(...), got {spec!r}.", "write constrain(x, P('dp', None)).")
     if not isinstance(x, torch.Tensor):
         raise fail(f"constrain: expected a tensor, got {type(x).__name__}.", "constrain tensors only.")
-    if len(spec) > x.dim():
-        raise fail(
-            f"constrain: spec {spec} has {len(spec)} entries but the value has shape {tuple(x.shape)}.",
-            f"give at most {x.dim()} entries.",
-        )
+    spec.check_rank(x.dim(), name="constrain", shape=tuple(x.shape))
     out: torch.Tensor = _Constrain.apply(x, encode(spec))  # type: ignore[no-untyped-call]
     return out

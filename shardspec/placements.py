@@ -36,7 +36,7 @@ def spec_to_placements(
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    check_spec(shape, mesh, spec, name=name, ndim=None if shape is not None else len(spec))
+    check_spec(shape, mesh, spec, name=name)
     placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
     order = {axis: i for i, axis in enumerate(mesh.axis_names)}
     for dim in range(len(spec)):

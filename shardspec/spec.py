@@ -60,8 +60,9 @@ class P:
         ('dp', 'tp')
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "_written")
     _entries: tuple[Entry, ...]
+    _written: int  # entries as written, trailing Nones included: a spec may not outrank its value
 
     def __init__(self, *entries: Entry) -> None:
         normalized = [_normalize_entry(e, i, entries) for i, e in enumerate(entries)]
@@ -79,6 +80,7 @@ class P:
                     )
                 seen[name] = dim
         object.__setattr__(self, "_entries", tuple(normalized))
+        object.__setattr__(self, "_written", len(entries))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("P is immutable")
@@ -117,15 +119,23 @@ class P:
                     f"{list(mesh.axis_names)} ({mesh.describe()}).",
                     f"use one of {list(mesh.axis_names)} or add {axis!r} to the Mesh.",
                 )
-        if ndim is not None and len(self._entries) > ndim:
-            shape_txt = f"shape {tuple(shape)}" if shape is not None else f"rank {ndim}"
-            raise fail(
-                f"{name}: spec {self} has {len(self._entries)} entries but the value has "
-                f"{shape_txt} ({ndim} dim{'s' if ndim != 1 else ''}).",
-                f"give at most {ndim} entries"
-                + (" (use P() for a scalar)" if ndim == 0 else "")
-                + "; trailing dims not named are replicated.",
-            )
+        if ndim is not None:
+            self.check_rank(ndim, name=name, shape=shape)
+
+    def check_rank(self, ndim: int, *, name: str = "x", shape: tuple[int, ...] | None = None) -> None:
+        """A spec names at most one entry per dim of its value, trailing Nones included (as JAX's
+        ``PartitionSpec``): ``P(None, None)`` for a vector is a mistake, not a replicated vector."""
+        if self._written <= ndim:
+            return
+        written = self.padded(self._written)
+        shape_txt = f"shape {tuple(shape)}" if shape is not None else f"rank {ndim}"
+        raise fail(
+            f"{name}: spec P({', '.join(map(repr, written))}) has {len(written)} entries but "
+            f"the value has {shape_txt} ({ndim} dim{'s' if ndim != 1 else ''}).",
+            f"give at most {ndim} entr{'ies' if ndim != 1 else 'y'}"
+            + (" (use P() for a scalar)" if ndim == 0 else "")
+            + "; trailing dims not named are replicated.",
+        )
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -42,3 +42,22 @@ def test_immutable_and_picklable():
 def test_repr_is_constructor_form():
     assert repr(P("dp", None, ("x", "y"))) == "P('dp', None, ('x', 'y'))"
     assert eval(repr(P("dp", None, ("x", "y")))) == P("dp", None, ("x", "y"))
+
+
+def test_a_spec_may_not_name_more_dims_than_its_value_has_trailing_nones_included():
+    """As JAX's PartitionSpec: P(None, None) for a vector is a mistake, though it equals P()."""
+    import torch
+
+    from shardspec import Mesh, ShardingError, constrain, sharded
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+    x = torch.randn(4)
+    assert P(None, None) == P() and P("dp", None) == P("dp")
+    for spec in (P(None, None), P("dp", None), P(None, "dp")):
+        with pytest.raises(
+            ShardingError, match=r"x: spec P\(.*\) has 2 entries but the value has shape \(4,\)"
+        ):
+            sharded(lambda x: x * 2, mesh=mesh, in_specs=(spec,), out_specs=P())(x)
+        with pytest.raises(ShardingError, match="give at most 1 entry;"):
+            sharded(lambda x, s=spec: constrain(x * 2, s), mesh=mesh, in_specs=(P(),), out_specs=P())(x)
+    assert torch.equal(sharded(lambda x: x * 2, mesh=mesh, in_specs=(P("dp"),), out_specs=P(None))(x), x * 2)
