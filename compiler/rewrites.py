@@ -174,7 +174,10 @@ def sdpa_fused(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """scaled_dot_product_attention as the fused kernel ``_fused_kernel`` picked for it."""
+    """scaled_dot_product_attention as the fused kernel ``_fused_kernel`` picked for it. The kernels
+    read each row of q, k and v as dense memory (eager torch checks and takes the math kernel
+    otherwise): an operand whose last dim is strided (``x.mT``) is made contiguous first."""
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if query.device.type == "cuda":
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, None, True, 0.0, bool(is_causal), scale=scale

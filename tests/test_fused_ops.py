@@ -261,3 +261,28 @@ def test_linear_fuses_through_the_functionalize_replay() -> None:
     step = sharded(fn, mesh=DP2, in_specs=(P("dp"), P(), P()), out_specs=P())
     torch.testing.assert_close(step(x, w, b), fn(x, w, b), rtol=0, atol=0)
     assert _ops(step, x, w, b)["aten.addmm.default"] == 1
+
+
+def test_attention_on_operands_with_a_strided_last_dim_is_computed_on_dense_rows() -> None:
+    """The CPU flash kernel reads each row as dense memory (eager torch takes its math kernel for
+    such operands): ``x.mT`` or a permute that moves the head dim gave garbage, even on one device."""
+    import shardspec
+
+    g = torch.Generator().manual_seed(0)
+    q, x, z = (torch.randn(s, generator=g) for s in ((2, 2, 4, 4), (2, 2, 4, 4), (2, 8, 4, 2)))
+
+    def transposed(q, x):
+        return F.scaled_dot_product_attention(q, x.mT, x.mT).square().sum()
+
+    def permuted(z, q):
+        y = z.permute(0, 3, 2, 1)
+        return F.scaled_dot_product_attention(y, y, y, is_causal=True).square().sum() + 0 * q.sum()
+
+    for fn, args in ((transposed, (q, x)), (permuted, (z, q))):
+        vg = shardspec.value_and_grad(fn, argnums=(0, 1))
+        want = vg(*args)
+        for mesh in (Mesh({"dp": 1}, simulate=True), DP2):
+            got = sharded(vg, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P())(*args)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+            for a, b in zip(got[1], want[1], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

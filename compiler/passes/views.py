@@ -132,12 +132,30 @@ DENSE_KERNELS = frozenset(
 )
 
 
+# fused attention kernels read each row of q, k, v (and the output and its gradient) as dense memory:
+# a strided last dim (a view this pass made of a copy) is read wrongly, other strides are fine
+# (heads-major q from a transpose); the positions of those operands per kernel
+DENSE_ROWS: dict[object, tuple[int, ...]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 2),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2, 3, 4),
+    aten._scaled_dot_product_efficient_attention.default: (0, 1, 2),
+    aten._scaled_dot_product_efficient_attention_backward.default: (0, 1, 2, 3, 5),
+}
+
+
+def _dense_rows(a: Node) -> bool:
+    v = a.meta.get("val")
+    return isinstance(v, torch.Tensor) and (v.dim() == 0 or v.stride(-1) == 1 or v.shape[-1] <= 1)
+
+
 def dense_kernel_inputs_(gm: GraphModule) -> None:
-    """Give the kernels of ``DENSE_KERNELS`` contiguous operands (a no-op at run time where they are)."""
+    """Give the kernels of ``DENSE_KERNELS`` contiguous operands, and those of ``DENSE_ROWS`` dense
+    rows (each a no-op at run time where they are)."""
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in DENSE_KERNELS:
+        if n.op != "call_function" or (n.target not in DENSE_KERNELS and n.target not in DENSE_ROWS):
             continue
         made: dict[Node, Node] = {}
+        rows = DENSE_ROWS.get(n.target)
 
         def dense(a: object, n: Node = n, made: dict[Node, Node] = made) -> object:
             if not isinstance(a, Node):
@@ -148,4 +166,10 @@ def dense_kernel_inputs_(gm: GraphModule) -> None:
                 made[a].meta = dict(a.meta)
             return made[a]
 
+        if rows is not None:
+            n.args = tuple(
+                a if i not in rows or not isinstance(a, Node) or _dense_rows(a) else dense(a)
+                for i, a in enumerate(n.args)
+            )
+            continue
         n.args = tuple([dense(x) for x in a] if isinstance(a, (list, tuple)) else dense(a) for a in n.args)
