@@ -30,15 +30,25 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from shardspec.agree import digest, disagreeing, groups
-from shardspec.checkpoint_files import META, PREFIX, TMP, publish, recover, resolve, write_atomic
+from shardspec.checkpoint_files import (
+    FORMAT,
+    META,
+    PREFIX,
+    TMP,
+    dcp_errors,
+    publish,
+    read_meta,
+    recover,
+    resolve,
+    write_atomic,
+)
 from shardspec.errors import ShardingError, fail
-from shardspec.layout import local_shape
+from shardspec.layout import check_spec, local_shape
 from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
 from shardspec.placements import spec_to_placements
 from shardspec.spec import P
 
-FORMAT = "shardspec-checkpoint/1"
 _SCALARS = (bool, int, float, str)
 
 __all__ = ["Restored", "find", "load", "save"]
@@ -101,10 +111,10 @@ def _all_agree(
     prints = [fingerprint(v) if isinstance(v, torch.Tensor) else v for _, v in values]
     mine = torch.tensor([int(error is not None), digest(text), digest(repr(prints))], dtype=torch.int64)
     everyone = disagreeing(mine, timeout, f"checkpoint.{what} (every rank must call it)")
+    if error is not None:  # every rank's own mistake too, not only one that the others lack
+        raise error
     if everyone is None:
         return
-    if error is not None:
-        raise error
     failed = [r for r, v in enumerate(everyone) if int(v[0])]
     if failed:
         raise fail(
@@ -205,7 +215,7 @@ def save(
 
     torch.save(_rng_state(), tmp / f"rng-{rank}.pt")
     state = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
-    with _single_process_quiet():
+    with _single_process_quiet(), dcp_errors("save", tmp):
         dcp_save(state, checkpoint_id=tmp, no_dist=not _distributed())
 
     if rank == 0:
@@ -276,7 +286,7 @@ def load(
             "checkpoint, or save again"
         )
         raise fail(f"checkpoint.load: {error}.", fix + ".")
-    meta = json.loads((ckpt / META).read_text())
+    meta = read_meta(ckpt)
     paths, leaves, treespec = _flatten(like)
     saved = {r["path"]: r for r in meta["leaves"]}
     real = mesh is not None and not mesh.simulated
@@ -285,6 +295,10 @@ def load(
     try:
         _check_structure(f"{ckpt} (step {meta['step']})", paths, leaves, saved)
         leaf_specs = _leaf_specs(specs, like, paths)
+        if mesh is not None:
+            for p, spec in zip(paths, leaf_specs):
+                if saved[p]["kind"] == "tensor":
+                    check_spec(tuple(saved[p]["shape"]), mesh, spec, name=f"checkpoint.load: specs for {p}")
     except ShardingError as exc:
         error = exc
     shapes = [
@@ -313,7 +327,7 @@ def load(
             )
         else:
             state[p] = torch.empty(shape, dtype=dtype)
-    with _single_process_quiet():
+    with _single_process_quiet(), dcp_errors("load", ckpt):
         dcp_load(state, checkpoint_id=ckpt, no_dist=not _distributed())
     if restore_rng:
         _restore_rng(ckpt)
@@ -326,11 +340,11 @@ def _leaf_specs(specs: Any, like: Any, paths: list[str]) -> list[Any]:
         return [P()] * len(paths)
     try:
         return list(optree.broadcast_prefix(specs, like, none_is_leaf=False))
-    except ValueError as exc:
+    except ValueError:
         raise fail(
             f"checkpoint.load: specs do not match the structure of like: specs "
             f"{optree.tree_structure(specs, none_is_leaf=False)} vs like "
-            f"{optree.tree_structure(like, none_is_leaf=False)} ({str(exc).split('; dict:')[0][:300]}).",
+            f"{optree.tree_structure(like, none_is_leaf=False)}.",
             "give specs the same tree as like, or a prefix of it (one P covers a whole subtree).",
         ) from None
 

@@ -15,9 +15,14 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from shardspec.errors import fail
 
 META = "shardspec.json"
+FORMAT = "shardspec-checkpoint/1"
 LATEST = "latest"
 PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
 
@@ -120,3 +125,47 @@ def resolve(path: Path) -> tuple[Path | None, str | None, str]:
     if partial:
         return None, f"{path} holds only incomplete checkpoints ({', '.join(partial)})", "incomplete"
     return None, f"no checkpoint at {path}: no {PREFIX}N directory and no {LATEST} file", "missing"
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's own record, checked: a foreign or damaged file is named, not a KeyError."""
+    try:
+        meta = json.loads((ckpt / META).read_text())
+        ok = isinstance(meta, dict) and isinstance(meta.get("leaves"), list) and "step" in meta
+    except (OSError, ValueError):
+        meta, ok = None, False
+    if not ok or not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise fail(
+            f"checkpoint.load: {ckpt / META} is not a {FORMAT} record"
+            + (
+                f" (its format is {found!r})"
+                if found not in (None, FORMAT)
+                else " (unreadable or incomplete)"
+            )
+            + ".",
+            "load a directory written by shardspec.checkpoint.save (of this version), or save again.",
+        )
+    return meta
+
+
+@contextlib.contextmanager
+def dcp_errors(what: str, where: Path) -> Iterator[None]:
+    """torch.distributed.checkpoint's failure (a damaged or missing shard file, a tensor it cannot
+    write) as a ShardingError: its own exception derives from BaseException, past ``except Exception``.
+    DCP gathers a failure to every rank, so every rank raises."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = sorted(exc.failures.items())
+        first = (
+            " ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in failures[:2])
+            or str(exc)[:200]
+        )
+        raise fail(
+            f"checkpoint.{what}: torch.distributed.checkpoint failed on {where}: {first}",
+            "check that the directory is complete and readable (a damaged checkpoint cannot be "
+            "loaded: load an earlier one), and that every leaf is a CPU or CUDA tensor with data.",
+        ) from None

@@ -105,4 +105,10 @@ def disagreements(rank: int, world: int, root: str) -> dict[str, str]:
     like = {"w": torch.empty(4)} if rank == 0 else {"v": torch.empty(4)}
     out["load"] = message(lambda: checkpoint.load(root, like=like))
     out["loaded"] = str(checkpoint.load(root, like=same).step)
+    # the same mistake on every rank is raised on every rank too (it once passed silently)
+    out["all dtype"] = message(
+        lambda: checkpoint.load(root, like={"w": torch.empty(4, dtype=torch.bfloat16)})
+    )
+    out["all missing"] = message(lambda: checkpoint.load(root, like={}))
+    out["all save"] = message(lambda: checkpoint.save(root, {"w": object()}, step=3))
     return out
