@@ -60,6 +60,23 @@ class ShardedFunction:
                 f"sharded(mesh=...) needs a shardspec.Mesh, got {type(mesh).__name__}.",
                 "build one with Mesh({'dp': 2}, simulate=True) or under torchrun.",
             )
+        from compiler.plan.costmodel import CostModel
+
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise fail(
+                f"sharded(cost_model=...) needs a shardspec.CostModel, got {type(cost_model).__name__}.",
+                "build one: CostModel(bandwidth={'dp': 25e9}, memory_bytes=16 * 2**30), or pass None.",
+            )
+        if cost_model is not None and isinstance(mesh, Mesh):
+            named = sorted(
+                {a for a, _ in (*cost_model.bandwidth, *cost_model.latency)} - set(mesh.axis_names)
+            )
+            if named:
+                raise fail(
+                    f"sharded(cost_model=...) gives bandwidth or latency for {named}, which "
+                    f"{mesh.describe()} does not have.",
+                    f"name the mesh's axes {list(mesh.axis_names)}.",
+                )
         if unsupported not in ("error", "replicate"):
             raise fail(
                 f"sharded(unsupported={unsupported!r}) is not an option.",

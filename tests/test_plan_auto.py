@@ -162,3 +162,44 @@ def test_gpt_auto_under_a_memory_limit_dp_exceeds_picks_a_plan_that_fits():
     assert _held(low) <= limit < _held(dp)
     for a, b in zip(optree.tree_leaves(f(*args)), optree.tree_leaves(step(*args)), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_memory_limit_counts_the_largest_block_and_holds_on_one_device_too():
+    """An uneven split holds the largest block (5 rows over 3 devices: 2), not the floor of the even
+    share, which once let the planner exceed the limit by half; a 1-device mesh and a limit of 0
+    are limits too."""
+    assert held_bytes((5, 4), 4, Sharding((("dp",), ())), Mesh({"dp": 3}, simulate=True)) == 2 * 4 * 4
+    assert held_bytes((1,), 4, Sharding((("dp",),)), Mesh({"dp": 2}, simulate=True)) == 4
+
+    def f(x, w):
+        return (x @ w).tanh()
+
+    x, w = torch.randn(5, 8), torch.randn(8, 8)
+    for mesh, limit in ((Mesh({"dp": 1}, simulate=True), 100), (Mesh({"dp": 3}, simulate=True), 0)):
+        step = sharded(
+            f,
+            mesh=mesh,
+            in_specs=(P("dp"), AUTO),
+            out_specs=P("dp"),
+            cost_model=CostModel(memory_bytes=limit),
+        )
+        with pytest.raises(ShardingError, match=f"memory_bytes={limit} per device"):
+            step(x, w)
+
+
+def test_cost_model_arguments_are_checked():
+    import math
+
+    for kwargs, text in (
+        ({"latency_s": math.nan}, "latency_s=nan"),
+        ({"latency": {"dp": -1.0}}, "latency\\['dp'\\]=-1.0"),
+        ({"bandwidth_bytes_per_s": "100e9"}, "bandwidth_bytes_per_s='100e9'"),
+        ({"bandwidth": 1e9}, "must map mesh axis names to numbers"),
+        ({"memory_bytes": "1GB"}, "memory_bytes='1GB'"),
+    ):
+        with pytest.raises(ShardingError, match=text):
+            CostModel(**kwargs)
+    with pytest.raises(ShardingError, match=r"needs a shardspec\.CostModel, got dict"):
+        sharded(STEP, mesh=MESH, in_specs=(), out_specs=(), cost_model={"latency_s": 0})
+    with pytest.raises(ShardingError, match="gives bandwidth or latency for \\['pp'\\]"):
+        sharded(STEP, mesh=MESH, in_specs=(), out_specs=(), cost_model=CostModel(bandwidth={"pp": 1e9}))

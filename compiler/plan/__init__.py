@@ -50,14 +50,17 @@ def plan_globally(
     ``free``: AUTO inputs and results (placeholder / result positions with their paths), whose
     layouts the planner chooses too, under ``model.memory_bytes``."""
     free = free or Free()
-    if mesh.size == 1:
+    limit = float("inf") if model.memory_bytes is None else model.memory_bytes
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if mesh.size == 1:  # one layout for everything: nothing to choose, but the limit still holds
+        if _held(placeholders, greedy, mesh) > limit:
+            raise _over_limit(model, _held(placeholders, greedy, mesh))
         return greedy
     if free.inputs or free.outputs:  # warm start: the best plan with AUTO leaves replicated
         unbounded = replace(model, memory_bytes=None)  # the limit binds the AUTO choice below
         greedy = plan_globally(
             graph, greedy, inputs, outputs, mesh, unbounded, unsupported, cap, time_limit_s, regather
         )
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     choices = {placeholders[i]: layouts(shape(placeholders[i]), mesh) for i in free.inputs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # greedy already warned about replicated fallbacks
@@ -69,14 +72,10 @@ def plan_globally(
         chosen = problem.solve(time_limit_s)
     except Exception:  # a solver failure keeps the greedy plan
         chosen = None
-    fits = _held(placeholders, greedy, mesh) <= (model.memory_bytes or float("inf"))
+    fits = _held(placeholders, greedy, mesh) <= limit
     if chosen is None:
         if not fits:
-            raise fail(
-                f"no plan found that holds the step's inputs within memory_bytes={model.memory_bytes} per "
-                f"device (replicated AUTO inputs hold {_held(placeholders, greedy, mesh)}).",
-                "raise CostModel(memory_bytes=...), add devices, or split more inputs by hand.",
-            )
+            raise _over_limit(model, _held(placeholders, greedy, mesh))
         return greedy
     result = _assemble(graph, greedy, outputs, options, choices, chosen, free)
     before = modeled_time(graph, greedy, mesh, model, regather).total_s if fits else float("inf")
@@ -106,6 +105,14 @@ def plan_globally(
             text += f"; next best {a}: {t * 1e3:.4g} ms, {held_bytes(shape(n), _itemsize(n), a, mesh)} bytes"
         result.notes.append(text)
     return result
+
+
+def _over_limit(model: CostModel, held: int) -> Exception:
+    return fail(
+        f"no plan found that holds the step's inputs within memory_bytes={model.memory_bytes} per "
+        f"device (the inputs as laid out, AUTO ones replicated, hold {held}).",
+        "raise CostModel(memory_bytes=...), add devices, or split more inputs by hand.",
+    )
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,26 @@ elementwise op one FLOP per output element, views and collectives none.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from compiler.reshard import Step
 from compiler.rules.notation import Rule
+from shardspec.errors import fail
 from shardspec.mesh import Mesh
 
 _RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
+
+
+def _number(name: str, val: object, *, positive: bool) -> None:
+    """A finite real number, above 0 for a rate, at least 0 for a latency."""
+    ok = isinstance(val, numbers.Real) and not isinstance(val, bool) and math.isfinite(val)
+    if not ok or not (val > 0 if positive else val >= 0):  # type: ignore[operator]
+        raise fail(
+            f"CostModel({name}={val!r}) must be a finite number {'above' if positive else 'at least'} 0.",
+            f"give {name} as a plain number ({'bytes or FLOP per second' if positive else 'seconds'}).",
+        )
 
 
 @dataclass(frozen=True)
@@ -46,19 +58,30 @@ class CostModel:
     memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name, val in (
-            ("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s),
-            ("flops_per_s", self.flops_per_s),
-        ):
-            if not val > 0:
-                from shardspec.errors import fail
-
-                raise fail(f"CostModel({name}={val}) must be positive.", f"give {name} a rate above 0.")
+        _number("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
+        _number("flops_per_s", self.flops_per_s, positive=True)
+        _number("latency_s", self.latency_s, positive=False)
         # accept dicts for readability; store tuples so the model stays hashable
-        if isinstance(self.bandwidth, dict):
-            object.__setattr__(self, "bandwidth", tuple(sorted(self.bandwidth.items())))
-        if isinstance(self.latency, dict):
-            object.__setattr__(self, "latency", tuple(sorted(self.latency.items())))
+        for name, positive in (("bandwidth", True), ("latency", False)):
+            table = getattr(self, name)
+            try:
+                items = sorted(dict(table).items())
+            except (TypeError, ValueError):
+                raise fail(
+                    f"CostModel({name}={table!r}) must map mesh axis names to numbers.",
+                    f"write e.g. {name}={{'dp': {'25e9' if positive else '5e-6'}}}.",
+                ) from None
+            for axis, val in items:
+                _number(f"{name}[{axis!r}]", val, positive=positive)
+            object.__setattr__(self, name, tuple(items))
+        m = self.memory_bytes
+        if m is not None and (
+            isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 <= m < math.inf
+        ):
+            raise fail(
+                f"CostModel(memory_bytes={m!r}) must be a number of bytes >= 0, or None for no limit.",
+                "write e.g. memory_bytes=16 * 2**30.",
+            )
 
     def axis_bandwidth(self, axes: tuple[str, ...]) -> float:
         table = dict(self.bandwidth)
