@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -105,9 +106,11 @@ def bits(shape: Sequence[int], seed: torch.Tensor, device: torch.device) -> torc
 def uniform(
     shape: Sequence[int], seed: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Uniform values in [0, 1) with 24 random bits (exact in every float dtype we support)."""
-    top = torch.div(bits(shape, seed, device), 256, rounding_mode="floor")
-    return (top.to(torch.float64) * 2.0**-24).to(dtype)
+    """Uniform values in [0, 1) with as many random bits as ``dtype`` holds exactly (24 at most:
+    bf16 8, fp16 11), so no value rounds up to 1.0 in a narrow dtype."""
+    digits = min(24, 1 - round(math.log2(torch.finfo(dtype).eps))) if dtype.is_floating_point else 24
+    top = torch.div(bits(shape, seed, device), 2 ** (32 - digits), rounding_mode="floor")
+    return (top.to(torch.float64) * 2.0**-digits).to(dtype)
 
 
 def normal(shape: Sequence[int], stream: _Stream, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

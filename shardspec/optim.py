@@ -93,12 +93,20 @@ def _adamw_tensor(
             p, g, m, v, step, *hyper
         )
         return out
+    if not p.dtype == g.dtype == m.dtype == v.dtype:
+        raise fail(
+            f"adamw: a parameter of shape {tuple(p.shape)} is {p.dtype}, its gradient {g.dtype} and its "
+            f"moments {m.dtype} / {v.dtype}; torch.optim.AdamW refuses mixed dtypes, and promoting "
+            "would change the parameter's and the state's dtype behind your back.",
+            "keep parameter, gradient and state in one dtype (e.g. fp32 master weights: cast the "
+            "gradients to fp32 before the update, and init the state from the fp32 parameters).",
+        )
     lr, b1, b2, eps, wd = hyper
     m = torch.lerp(m, g, 1 - b1)
     v = v * b2 + (1 - b2) * g * g
     bias1 = 1 - torch.pow(b1, step)
     bias2_sqrt = torch.sqrt(1 - torch.pow(b2, step))
-    decayed = p * (1 - lr * wd) if wd else p
+    decayed = p if isinstance(wd, (int, float)) and wd == 0 else p * (1 - lr * wd)  # wd may be a tensor
     return decayed - (lr / bias1) * m / (torch.sqrt(v) / bias2_sqrt + eps), m, v
 
 

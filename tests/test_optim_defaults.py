@@ -91,3 +91,29 @@ def test_an_adamw_learning_rate_passed_as_a_tensor_matches_the_float_one_with_an
         for k in params:
             torch.testing.assert_close(p[k], ref_p[k], rtol=1e-5, atol=1e-6)
         assert len(f._cache) == 1
+
+
+def test_adamw_refuses_mixed_dtypes_inside_a_step_as_eagerly_and_takes_a_tensor_weight_decay():
+    """A bf16 parameter with fp32 gradient or state was silently promoted to fp32 inside a step
+    (eager torch refuses); a tensor weight decay reached a Python branch on its value."""
+    import pytest
+
+    from shardspec import Mesh, P, ShardingError, sharded
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+    p = {"w": torch.randn(4, 3)}
+    g = {"w": torch.randn(4, 3)}
+
+    def step(p, s, g, wd):
+        return optim.adamw(lr=1e-2, weight_decay=wd).update(g, s, p)
+
+    s = optim.adamw().init(p)
+    f = sharded(step, mesh=mesh, in_specs=(P(), P(), P(), P()), out_specs=(P(), P()))
+    got, _ = f(p, s, g, torch.tensor(0.1))
+    want, _ = optim.adamw(lr=1e-2, weight_decay=0.1).update(g, s, p)
+    torch.testing.assert_close(got["w"], want["w"], rtol=1e-5, atol=1e-6)
+
+    bf = {"w": p["w"].bfloat16()}
+    for grads, state in ((g, optim.adamw().init(bf)), ({"w": g["w"].bfloat16()}, s)):
+        with pytest.raises(ShardingError, match="refuses mixed dtypes"):
+            f(bf, state, grads, 0.1)

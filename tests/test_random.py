@@ -387,3 +387,16 @@ def test_random_ops_without_a_counter_based_form_are_refused(draw: Any) -> None:
     step = sharded(draw, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P(),), out_specs=P())
     with pytest.raises(ShardingError, match="random numbers inside a sharded step"):
         step(torch.randn(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_uniform_draws_in_a_narrow_dtype_stay_below_one(dtype: torch.dtype) -> None:
+    """24 random bits rounded to bf16 or fp16 could round up to exactly 1.0, outside [0, 1)."""
+
+    def fn(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        with shardspec.random.rng(key):
+            return torch.rand_like(x)
+
+    draw = sharded(fn, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"), P()), out_specs=P("dp"))
+    u = draw(torch.zeros(1 << 16, dtype=dtype), shardspec.random.key(0))
+    assert u.dtype == dtype and float(u.max()) < 1.0 and float(u.min()) >= 0.0
