@@ -164,3 +164,26 @@ def test_model_state_bytes_follow_the_zero_formulas(strategy, n):
     assert cost.model_state_bytes_per_rank == (
         cost.state_bytes_per_rank + cost.grad_bytes_per_rank + cost.compute_param_bytes_per_rank
     )
+
+
+def test_reduce_dtype_narrows_gradient_reductions_only_not_a_norm_computed_from_them():
+    """A gradient norm's sum of squares under TP is reduced at its own dtype: only gradients (and
+    their views and casts) take reduce_dtype, as FSDP's reduce_dtype does."""
+    import shardspec
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 16, generator=g), torch.randn(32, 8, generator=g)
+
+    def step(w, x):
+        _, gw = shardspec.value_and_grad(lambda w, x: torch.tanh(x @ w).pow(2).mean())(w, x)
+        return torch.sqrt((gw * gw).sum())
+
+    f = sharded(
+        step,
+        mesh=Mesh({"tp": 2}, simulate=True),
+        in_specs=(P(None, "tp"), P()),
+        out_specs=P(),
+        passes={"reduce_dtype": torch.bfloat16},
+    )
+    assert [c.dtype for c in f.lower(w, x).collectives()] == [torch.float32]
+    torch.testing.assert_close(f(w, x), step(w, x))

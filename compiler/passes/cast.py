@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 
 from compiler.passes.graph import copy_module, make
 from compiler.passes.regather import BACKWARD
+from compiler.propagate_state import _VIEW_LIKE
 
 aten, prims, ops = torch.ops.aten, torch.ops.prims, torch.ops.shardspec
 CASTS = {aten._to_copy.default, prims.convert_element_type.default}
@@ -94,12 +95,21 @@ def _cast_before_gather(gm: GraphModule, g: Node) -> None:
 
 
 def _is_gradient(x: Node) -> bool:
-    """Computed in backward (through views and casts of such a value)."""
+    """Computed in backward (through views and casts of such a value). Only those: a value computed
+    from a gradient (a norm's sum of squares for clipping) is not one, and keeps its dtype."""
     while not x.meta.get(BACKWARD):
-        if x.op != "call_function" or len(x.all_input_nodes) != 1:
+        if x.op != "call_function" or len(x.all_input_nodes) != 1 or not _passes_through(x):
             return False
         x = x.all_input_nodes[0]
     return True
+
+
+def _passes_through(x: Node) -> bool:
+    return x.target in _VIEW_LIKE or x.target in (
+        prims.convert_element_type.default,
+        aten.reshape.default,
+        aten.contiguous.default,
+    )
 
 
 def _reduce_in(gm: GraphModule, c: Node, dtype: torch.dtype) -> None:
