@@ -192,7 +192,8 @@ def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
         f"{what}. Running would hang or compute wrong results.",
         "call the same steps in the same order on every rank, with the same shapes and Python values "
         "(e.g. lr), and no rank-dependent branches inside the step; rank-local data goes in through "
-        "shardspec.from_local.",
+        "shardspec.from_local. With AUTO specs or cost_model=, a rank whose planner solve hit its time "
+        "limit (a loaded machine) may plan differently: write the specs explain() reports instead.",
     )
 
 
