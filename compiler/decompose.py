@@ -114,14 +114,16 @@ KEPT_FUSED: tuple[Any, ...] = (
 # tracing work (the decomposition is traced as an op of its own). Rewritten before a functionalize
 # replay (``views_as_permutes``).
 KEPT_VIEWS: tuple[Any, ...] = (aten.transpose.int, aten.t.default, aten.squeeze.dim)
+# Kept as one multi-output view (it has a rule) rather than one ``select`` per piece.
+KEPT_MULTI_VIEWS: tuple[Any, ...] = (aten.unbind.int,)
 
 
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
     """Core-ATen decompositions plus ours, minus the fused kernels that have rules and the views in
-    KEPT_VIEWS (built once: collecting torch's table walks every op's overloads)."""
+    KEPT_VIEWS and KEPT_MULTI_VIEWS (built once: collecting torch's table walks every op's overloads)."""
     table = cast(dict[Any, Callable[..., Any]], dict(core_aten_decompositions()))
-    for op in (*KEPT_FUSED, *KEPT_VIEWS):
+    for op in (*KEPT_FUSED, *KEPT_VIEWS, *KEPT_MULTI_VIEWS):
         table.pop(op, None)
     table.update(_EXTRA_DECOMPOSITIONS)
     return table

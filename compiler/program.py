@@ -3,6 +3,8 @@ argument signature."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +99,29 @@ def _without_values(text: str) -> str:
     return (text[: cut.start()] if cut else text)[:400]
 
 
+def _cyclic_gc_deferred(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with Python's cyclic garbage collector paused, then collect once what it made.
+
+    Compiling allocates hundreds of thousands of long-lived objects (graph nodes, fake tensors),
+    which trigger full collections that rescan the whole heap: a third of a 24-layer GPT's
+    compile. Paused, every object the compile made stays in the youngest generation, so one
+    young collection at the end frees its cycles at the cost of a single scan of them."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+            gc.collect(0)
+
+    return run
+
+
+@_cyclic_gc_deferred
 def compile_program(
     fn: Callable[..., Any],
     args: tuple[Any, ...],

@@ -75,25 +75,41 @@ def _best_start(gm: GraphModule, cat: Node, chains: list[list[Node]]) -> int:
     """Which member's computation (in program order) to allocate the flat buffer at: the one giving
     the lowest peak. Earlier members wait there to be copied (live as before), later ones are
     copied as they are computed; from there on the buffer is held instead of the members."""
-    graph = gm.graph
-    pos = pos_of(graph)
+    pos = pos_of(gm.graph)
     live = [0] * len(pos)
     for n, b in liveness.curve(gm)[1:]:
         assert n is not None
         live[pos[n]] = b
     made = sorted((pos[c[0]], liveness.nbytes(c[-1])) for c in chains)
-    end, total = pos[cat], liveness.nbytes(cat)
+    return best_start(live, made, pos[cat], liveness.nbytes(cat))
+
+
+def best_start(live: list[int], made: list[tuple[int, int]], end: int, total: int) -> int:
+    """The index into ``made`` (members' (position, bytes), by position) whose position to allocate
+    the ``total``-byte buffer at, for the lowest peak of ``live`` (bytes after each op) before the
+    ``cat`` at ``end``.
+
+    After op ``t`` past the start the program holds ``live[t]`` less the members computed by then
+    (copied into the buffer) plus the buffer; that excess does not depend on the start, so one
+    suffix maximum of it prices every start: linear in the program, not members x ops."""
+    net, held, i = [0] * end, 0, 0
+    for t in range(end):
+        while i < len(made) and made[i][0] <= t:
+            held += made[i][1]
+            i += 1
+        net[t] = live[t] - held
+    suffix = [0] * (end + 1)  # suffix[t]: the largest net[t:end]
+    for t in range(end - 1, -1, -1):
+        suffix[t] = net[t] if t == end - 1 else max(suffix[t + 1], net[t])
+    prefix = [0] * (end + 1)  # prefix[t]: the largest live[:t] (0 for none)
+    for t in range(end):
+        prefix[t + 1] = max(prefix[t], live[t])
     best, best_peak = 0, None
     for k, (start, _) in enumerate(made):
-        before = max(live[:start], default=0)
         after = live[start] + total  # the buffer made while the members so far are still held
-        held, i = 0, 0
-        for t in range(start + 1, end):
-            while i < len(made) and made[i][0] <= t:
-                held += made[i][1]
-                i += 1
-            after = max(after, live[t] - held + total)
-        peak = max(before, after)
+        if start + 1 < end:
+            after = max(after, suffix[start + 1] + total)
+        peak = max(prefix[start], after)
         if best_peak is None or peak < best_peak:
             best, best_peak = k, peak
     return best
