@@ -80,6 +80,7 @@ def _hand() -> dict[Any, list[Call]]:
         aten.silu_backward.default: [((y, x), {})],
         aten.sum.dim_IntList: [((x, [1]), {}), ((x, [0], True), {})],
         aten.amax.default: [((x, [1]), {})],
+        aten.sort.stable: [((x,), {"stable": True, "dim": 0}), ((x,), {"stable": True})],
         aten.amin.default: [((x, [1]), {})],
         aten.permute.default: [((x4, [0, 2, 1, 3]), {})],
         aten.permute_copy.default: [((x4, [0, 2, 1, 3]), {})],

@@ -146,3 +146,20 @@ def test_an_op_without_a_rule_runs_where_its_operands_are_held_whole():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.testing.assert_close(f(a, b), solve(a, b))
+
+
+def test_stable_sort_keeps_a_split_of_the_other_dims_and_ties_in_order():
+    """sort(stable=True) (dim keyword-only in its schema) has the rule of sort: rows split over
+    the mesh are sorted where they lie, with ties kept in input order as unsharded."""
+    mesh = Mesh({"a": 2}, simulate=True)
+    x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 1.0, 0.0]] * 4)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = torch.sort(x, stable=True, dim=1, descending=True)
+        return values, indices
+
+    step = sharded(f, mesh=mesh, in_specs=(P("a", None),), out_specs=(P("a", None), P("a", None)))
+    values, indices = step(x)
+    expected = f(x)
+    assert torch.equal(values, expected[0]) and torch.equal(indices, expected[1])
+    assert step.lower(x).cost().collective_count == 0

@@ -169,6 +169,7 @@ REGISTRY: dict[Any, Builder] = {
     aten.cummin.default: partial(red.along, drops=False),
     aten.logcumsumexp.default: partial(red.along, drops=False),
     aten.sort.default: partial(red.along, default=-1, drops=False),
+    aten.sort.stable: partial(red.along, default=-1, drops=False),  # dim keyword-only: from kwargs
     aten.topk.default: red.topk,
     aten.flip.default: red.flip,
     aten.repeat.default: red.repeat,
