@@ -20,12 +20,20 @@ from torch._decomp import core_aten_decompositions
 aten = torch.ops.aten
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _mean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
-    """mean as sum / global count, so a split reduction dim still divides by the global size."""
+    """mean as sum / global count, so a split reduction dim still divides by the global size.
+    A half-precision mean sums and divides in fp32 and rounds once, as torch's kernel does (a
+    half-precision sum of a million 0.1s overflows fp16)."""
     dims = list(range(x.dim())) if dim in (None, []) or x.dim() == 0 else [d % x.dim() for d in dim]
     count = 1
     for d in dims:
         count *= x.shape[d]
+    out = dtype if dtype is not None else x.dtype
+    if out in _HALF:
+        return (torch.sum(x, dims, keepdim, dtype=torch.float32) / count).to(out)
     return torch.sum(x, dims, keepdim, dtype=dtype) / count
 
 
@@ -37,6 +45,8 @@ def _addmm(
     only it: a hand-written ``x @ w + b`` rounds the product before the add, as eager does."""
     out = torch.mm(a, b)
     out = out * alpha if alpha != 1 else out
+    if beta == 0:  # torch ignores the input then: its nan and inf must not reach the result
+        return out
     bias = bias * beta if beta != 1 else bias
     with fxt.annotate({ADDMM_MARK: True}):
         return out + bias

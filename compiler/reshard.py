@@ -18,7 +18,7 @@ import torch
 
 from collectives import accounting
 from compiler.sharding import Axes, Sharding
-from shardspec.layout import max_local_shape
+from shardspec.layout import chunk_bounds, max_local_shape
 from shardspec.mesh import Mesh
 
 
@@ -35,6 +35,12 @@ class Step:
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _block_at(local: torch.Tensor, d: int, size: int, n: int, p: int) -> torch.Tensor:
+    """``local`` with dim ``d`` as long as position ``p``'s block of ``size`` over ``n``."""
+    lo, hi = chunk_bounds(size, n, p)
+    return _meta((*local.shape[:d], hi - lo, *local.shape[d + 1 :]), local.dtype)
 
 
 def _local(shape: tuple[int, ...], s: Sharding, mesh: Mesh) -> tuple[int, ...]:
@@ -131,7 +137,10 @@ def _plan(
         if e is not None:
             local = _meta(_local(shape, cur, mesh), dtype)
             n = mesh.axis_size(axes)
-            sent = max(accounting.all_to_all_bytes(local, e, n, p) for p in range(n))
+            # rank p sends its own block along d (uneven: its own length) less the piece it keeps
+            sent = max(
+                accounting.all_to_all_bytes(_block_at(local, d, shape[d], n, p), e, n, p) for p in range(n)
+            )
             steps.append(Step("all_to_all", axes, e, d, shape[d], tuple(local.shape), sent))
             dims = list(cur.dims)
             dims[e], dims[d] = axes, ()

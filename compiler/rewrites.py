@@ -217,6 +217,19 @@ def one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
 _ONE_HOT = {F.one_hot, torch._C._nn.one_hot}
 _LINEAR_CE = {getattr(F, "linear_cross_entropy", None)} - {None}
 _TENSOR_SPLIT = {torch.tensor_split, torch.Tensor.tensor_split}
+_RRELU = {F.rrelu, torch.rrelu}
+
+
+def _rrelu_eval(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, float, bool] | None:
+    """(input, slope, inplace) of an rrelu that is not training, else None. Out of training rrelu
+    is leaky_relu with the mean slope (torch's kernel computes exactly that): deterministic, with a
+    rule, where its training form draws a slope per element."""
+    names = ("input", "lower", "upper", "training", "inplace" if func is F.rrelu else "generator")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if bound.get("training", False) or "generator" in bound:
+        return None
+    lower, upper = bound.get("lower", 1.0 / 8), bound.get("upper", 1.0 / 3)
+    return bound["input"], (lower + upper) / 2, bool(bound.get("inplace", False))
 
 
 def linear_cross_entropy(
@@ -261,6 +274,8 @@ class Rewrites(TorchFunctionMode):
             return one_hot(*args, **kwargs)
         if func in _LINEAR_CE:
             return linear_cross_entropy(*args, **kwargs)
+        if func in _RRELU and (leaky := _rrelu_eval(func, args, kwargs)) is not None:
+            return F.leaky_relu(leaky[0], leaky[1], inplace=leaky[2])
         if func in _TENSOR_SPLIT and isinstance(_split_points(args, kwargs), torch.Tensor):
             raise fail(
                 f"tensor_split at {user_frame()} with split points in a tensor: the size of each piece "

@@ -150,17 +150,21 @@ class ShardedFunction:
             stacklevel=4,
         )
 
-    def lower(self, *args: Any) -> Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        self._positional(args, kwargs, ".lower")
         return Lowered(self._program(args)[0])
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any], method: str = "") -> None:
         if kwargs:
             names = arg_names(self.fn, len(args) + len(kwargs))
             raise fail(
-                f"{self.__name__}(...) was called with keyword arguments ({', '.join(kwargs)}); a sharded "
-                "step takes its arguments by position, as its in_specs do.",
-                f"pass them positionally: {self.__name__}({', '.join(names)}).",
+                f"{self.__name__}{method}(...) was called with keyword arguments ({', '.join(kwargs)}); a "
+                "sharded step takes its arguments by position, as its in_specs do.",
+                f"pass them positionally: {self.__name__}{method}({', '.join(names)}).",
             )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._positional(args, kwargs)
         outer = _TRACING.get()
         if outer is not None:
             return self._inline(outer, args)

@@ -336,6 +336,8 @@ def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
         or "_local_scalar_dense" in text
         or "item()" in text
         or "data is not allocated" in text
+        or ".numpy() is not supported" in text
+        or ".tolist() is not supported" in text
     )
     if data_dependent:
         raise fail(

@@ -254,6 +254,12 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "pytrees",
+        "lower() called with keyword arguments",
+        lambda: _step(_mlp, (P(), P()), P()).lower(PARAMS, x=X),
+        ("keyword arguments (x)", "_mlp.lower(params, x)"),
+    ),
+    Case(
+        "pytrees",
         "a piece count that does not match the mesh",
         lambda: unshard([torch.zeros(2)] * 3, SIM, P("dp")),
         ("3 pieces", "4 devices"),

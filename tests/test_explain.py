@@ -93,7 +93,7 @@ def test_scalar_and_uneven_all_reduce_bytes_count_whole_elements() -> None:
     assert ring_all_reduce_bytes(10, 4, 4) == 2 * (10 - 1) * 4  # chunks 3,3,3,1: all but the smallest
     assert ring_all_reduce_bytes(5, 4, 1) == 0
     text = _mlp({"w1": P(), "b1": P(), "w2": P()}, {"dp": 4})
-    assert "local () float32, 8 B" in text  # the loss's scalar sums
+    assert "local () int64, 16 B" in text  # the loss's token count: 2 x 8 B, not 2 (n-1)/n x 8
     assert human_bytes(2048) == "2.0 KiB"
 
 

@@ -400,3 +400,19 @@ def test_uniform_draws_in_a_narrow_dtype_stay_below_one(dtype: torch.dtype) -> N
     draw = sharded(fn, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"), P()), out_specs=P("dp"))
     u = draw(torch.zeros(1 << 16, dtype=dtype), shardspec.random.key(0))
     assert u.dtype == dtype and float(u.max()) < 1.0 and float(u.min()) >= 0.0
+
+
+@pytest.mark.parametrize("call", ["default", "explicit", "torch", "module"])
+def test_rrelu_out_of_training_is_its_deterministic_mean_slope(call: str) -> None:
+    """rrelu out of training (F.rrelu's default, nn.RReLU in eval mode) draws nothing: it runs as
+    leaky_relu with the mean slope, bit-equal to eager, with a split batch."""
+    fns = {
+        "default": lambda x: F.rrelu(x),
+        "explicit": lambda x: F.rrelu(x, 0.1, 0.3, training=False),
+        "torch": lambda x: torch.rrelu(x, 0.2, 0.4),
+        "module": torch.nn.RReLU(0.05, 0.25).eval(),
+    }
+    fn = fns[call]
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    out = sharded(fn, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"),), out_specs=P("dp"))(x)
+    assert torch.equal(out, fn(x))

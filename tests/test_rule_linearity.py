@@ -80,6 +80,18 @@ def _hand() -> dict[Any, list[Call]]:
         aten.silu_backward.default: [((y, x), {})],
         aten.sum.dim_IntList: [((x, [1]), {}), ((x, [0], True), {})],
         aten.amax.default: [((x, [1]), {})],
+        **{
+            op: [((_i(3, 4, hi=64), 3), {})]
+            for op in (
+                aten.bitwise_and.Scalar,
+                aten.bitwise_or.Scalar,
+                aten.bitwise_xor.Scalar,
+                aten.bitwise_left_shift.Tensor_Scalar,
+                aten.bitwise_right_shift.Tensor_Scalar,
+                aten.__lshift__.Scalar,
+                aten.__rshift__.Scalar,
+            )
+        },
         aten.sort.stable: [((x,), {"stable": True, "dim": 0}), ((x,), {"stable": True})],
         aten.amin.default: [((x, [1]), {})],
         aten.permute.default: [((x4, [0, 2, 1, 3]), {})],

@@ -7,6 +7,7 @@ summed loss and, for cross-entropy, the count of targets): those are checked apa
 
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -165,3 +166,17 @@ def test_explain_names_values_and_user_lines_for_each_collective():
     for name in params:  # each gradient reduction named by its parameter, under the forward line
         assert f"gradient of params['{name}']" in text
     assert "opt.update" not in text
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7), (6, 6)])
+def test_an_uneven_all_to_all_is_priced_at_its_busiest_rank(shape: tuple[int, int]) -> None:
+    """Rows over 3 devices moved to columns: each rank sends its own rows (3, 3 and 1 of 7) less
+    the piece it keeps; cost() and explain() report what the busiest rank really sends."""
+    mesh = Mesh({"b": 3}, simulate=True)
+    x = torch.randn(*shape)
+    step = sharded(lambda a: a * 2, mesh=mesh, in_specs=(P("b"),), out_specs=P(None, "b"))
+    low = step.lower(x)
+    with collectives.count_bytes() as counter:
+        assert torch.equal(step(x), x * 2)
+    assert low.cost().comm_bytes_per_rank == counter.total_bytes_per_rank
+    assert [c.bytes_per_rank for c in low.collectives()] == [counter.total_bytes_per_rank]

@@ -99,6 +99,15 @@ def test_data_dependent_control_flow():
     assert "if x.sum() > 0:  # branch on a value" in msg and "torch.where" in msg
 
 
+@pytest.mark.parametrize("read", ["numpy", "tolist"])
+def test_reading_values_out_of_a_traced_tensor_names_the_line(read):
+    def step(x):
+        return x * float(getattr(x, read)()[0][0])  # reads a value
+
+    msg = _err(lambda: sharded(step, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))(X))
+    assert "# reads a value" in msg and "traced once on shapes" in msg
+
+
 def test_argument_mutation():
     def step(params, x):
         params["w1"].mul_(0.5)  # in place on an argument

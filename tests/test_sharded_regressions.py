@@ -1,9 +1,12 @@
 """Cases found in review: each once gave a wrong answer or an internal error."""
 
 import warnings
+from typing import Any
 
+import pytest
 import torch
 
+import shardspec
 from shardspec import Mesh, P, sharded
 
 
@@ -163,3 +166,127 @@ def test_stable_sort_keeps_a_split_of_the_other_dims_and_ties_in_order():
     expected = f(x)
     assert torch.equal(values, expected[0]) and torch.equal(indices, expected[1])
     assert step.lower(x).cost().collective_count == 0
+
+
+def _row_parallel(loss_fn: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``loss_fn(a, b)`` and its gradients with ``a @ b``'s contraction split over 2 devices, so
+    ``a @ b`` is a pending sum (each device holds a part of every element)."""
+    step = sharded(
+        lambda a, b: shardspec.value_and_grad(loss_fn)(a, b),
+        mesh=Mesh({"a": 2}, simulate=True),
+        in_specs=(P(None, "a"), P("a")),
+        out_specs=P(),
+    )
+    loss, grads = step(a, b)
+    want_grads, _ = torch.func.grad_and_value(loss_fn)(a, b)  # with respect to a, as ours
+    torch.testing.assert_close(grads, want_grads, equal_nan=True)
+    return loss
+
+
+def test_a_narrowing_cast_of_a_pending_sum_casts_the_sum_not_each_part():
+    """Parts 1000.25 and -1000 of a sum rounded to bf16 one by one add up to 0, the sum 0.25 rounds
+    to 0.25: a cast that loses precision must wait for the reduction."""
+    a, b = torch.tensor([[1000.25, 1.0]]), torch.tensor([[1.0], [-1000.0]])
+    loss = _row_parallel(lambda a, b: (a @ b).bfloat16().float().sum(), a, b)
+    assert loss.item() == 0.25
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(s, generator=g) for s in ((16, 64), (64, 16), (16, 16)))
+    loss = _row_parallel(lambda a, b: ((a @ b).bfloat16().float() * c).sum(), a, b)
+    assert loss.item() == ((a @ b).bfloat16().float() * c).sum().item()
+
+
+@pytest.mark.parametrize("scale", ["div0", "mul_inf"])
+def test_a_pending_sum_scaled_by_zero_division_or_infinity_is_reduced_first(scale: str):
+    """Parts of opposite sign divided by 0 (or times inf) give inf - inf = nan where the sum
+    divided by 0 is an infinity: only a finite, nonzero scale may act on the parts."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 6, generator=g), torch.randn(6, 7, generator=g)
+    apply = (lambda h: h / 0) if scale == "div0" else (lambda h: h * float("inf"))
+
+    def loss_fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return apply(a @ b).clamp(-1, 1).sum()
+
+    assert _row_parallel(loss_fn, a, b).item() == loss_fn(a, b).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_mean_accumulates_in_fp32_as_torch_does(dtype: torch.dtype):
+    """torch's mean of fp16/bf16 sums in fp32 and rounds once: a million 0.1s do not overflow
+    fp16, and results are bit-equal; the same when the reduced dim is split."""
+    mesh = Mesh({"a": 2}, simulate=True)
+    x = torch.full((1_000_000,), 0.1, dtype=dtype)
+    for spec in (P(), P("a")):
+        assert torch.equal(sharded(torch.mean, mesh=mesh, in_specs=(spec,), out_specs=P())(x), x.mean())
+    y = torch.randn(8, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = sharded(lambda y: y.mean(0), mesh=mesh, in_specs=(P("a", None),), out_specs=P())(y)
+    assert torch.equal(got, y.mean(0))
+
+
+def test_an_integer_pending_sum_is_reduced_before_a_float_result_takes_it():
+    """An int64 sum split over devices has parts (1000000004 and -1000000000) that fp32 cannot
+    hold; dividing, casting, promoting or averaging must see the exact integer sum, and the usual
+    accuracy idiom ``(p == t).sum() / n`` must be bit-equal."""
+    mesh = Mesh({"dp": 2}, simulate=True)
+    x = torch.zeros(4, 2, dtype=torch.int64)
+    x[0], x[2] = 1_000_000_004, -1_000_000_000  # dp block 0 sums to the first, block 1 the second
+    mask = torch.tensor([True, False])
+    cases = {
+        "cast": lambda x: x.sum(0).float(),
+        "divide": lambda x: x.sum(0) / 2,
+        "mean count": lambda x: x.sum() / x.numel(),
+        "promote": lambda x: x.sum(0) * torch.ones(2),
+        "where": lambda x: torch.where(mask, x.sum(0), 0.5),
+        "mean dtype": lambda x: x.sum(0).mean(dtype=torch.float32),
+    }
+    for name, fn in cases.items():
+        got = sharded(fn, mesh=mesh, in_specs=(P("dp"),), out_specs=P())(x)
+        assert torch.equal(got, fn(x)), name
+    g = torch.Generator().manual_seed(1)
+    p, t = torch.randint(0, 3, (12,), generator=g), torch.randint(0, 3, (12,), generator=g)
+
+    def accuracy(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return (p == t).sum() / p.numel()
+
+    mesh3 = Mesh({"dp": 3}, simulate=True)
+    got = sharded(accuracy, mesh=mesh3, in_specs=(P("dp"), P("dp")), out_specs=P())(p, t)
+    assert torch.equal(got, accuracy(p, t))
+
+
+def test_fp16_pending_sum_is_not_scaled_past_its_range_part_by_part():
+    """fp16 parts 1100 and -1099 times 60 overflow one by one (inf - inf); their sum times 60
+    does not, and a loss-scaling factor must give the unsharded value."""
+    mesh = Mesh({"dp": 2}, simulate=True)
+    x = torch.zeros(4, 3, dtype=torch.float16)
+    x[0], x[2] = 1100.0, -1099.0  # dp block 0 sums to the first, block 1 the second
+    for fn in (lambda x: x.sum(0) * 60, lambda x: x.sum(0) / 0.015625):
+        got = sharded(fn, mesh=mesh, in_specs=(P("dp"),), out_specs=P())(x)
+        assert torch.equal(got, fn(x))
+
+
+def test_addmm_with_beta_zero_ignores_its_input_as_torch_does():
+    """torch.addmm(input, a, b, beta=0) does not read input: its nan and inf stay out, split or not."""
+    g = torch.Generator().manual_seed(0)
+    bias = torch.full((4, 5), float("nan"))
+    a, b = torch.randn(4, 6, generator=g), torch.randn(6, 5, generator=g)
+    mesh = Mesh({"dp": 2}, simulate=True)
+    for specs in ((P(), P(), P()), (P("dp"), P("dp"), P()), (P(), P(None, "dp"), P("dp"))):
+        got = sharded(
+            lambda c, a, b: torch.addmm(c, a, b, beta=0, alpha=2), mesh=mesh, in_specs=specs, out_specs=P()
+        )(bias, a, b)
+        torch.testing.assert_close(got, torch.addmm(bias, a, b, beta=0, alpha=2))
+
+
+def test_bitwise_ops_and_shifts_with_python_scalars_have_elementwise_rules():
+    """x & 7, x | 3, x ^ 5, x << 2, x >> y, ...: elementwise on a split, bit-equal, nothing moved."""
+    mesh = Mesh({"a": 2}, simulate=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 1000, (6, 4), generator=g), torch.randint(0, 5, (6, 4), generator=g)
+    fns = [
+        lambda x, y: (x & 7) + (x | 3) + (x ^ 5),
+        lambda x, y: (x << 2) + (x >> 1) + (x << y) + (x >> y),
+        lambda x, y: torch.bitwise_left_shift(x, 3) + torch.bitwise_right_shift(x, y),
+    ]
+    for fn in fns:
+        step = sharded(fn, mesh=mesh, in_specs=(P("a"), P("a")), out_specs=P("a"))
+        assert torch.equal(step(x, y), fn(x, y))
+        assert step.lower(x, y).cost().collective_count == 0

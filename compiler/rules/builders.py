@@ -71,21 +71,80 @@ def binary_arith(node: Node, all_tensor_linear: str) -> Built:
     if not scalars:
         return elementwise(node, all_tensor_linear)
     target = str(node.target)
-    if "mul" in target:
+    given = node.args[scalars[0]]
+    # x * inf or x / 0 of a pending sum would turn parts of opposite sign into inf - inf = nan
+    finite = isinstance(given, (int, float)) and math.isfinite(given)
+    c = float(given) if finite else 0.0  # type: ignore[arg-type]
+    # fp16 tops out at 65504: a scale that grows the parts could overflow one the sum would not
+    narrow = node.meta["val"].dtype == torch.float16
+    if "mul" in target and finite and not (narrow and abs(c) > 1):
         return elementwise(node, "one")
-    if "div" in target and scalars == [1]:
+    if "div" in target and scalars == [1] and finite and c != 0 and not (narrow and abs(c) < 1):
         return elementwise(node, "first")
     return elementwise(node, "none")
 
 
 def cast(node: Node) -> Built:
-    """_to_copy: a cast to a floating dtype commutes with a pending sum (up to rounding); a cast
-    to an integer or bool dtype truncates, so each device's part would be truncated separately."""
+    """_to_copy: a cast that represents every value of its input exactly (same dtype, fp32 ->
+    fp64, bf16 -> fp32, int16 -> fp32) commutes with a pending sum. A narrowing cast does not:
+    each device's part would be rounded on its own, an error on the scale of the parts rather than
+    of their sum (fp32 parts 1000.25 and -1000 cast to bf16 sum to 0, not 0.25); nor does a cast
+    to an integer or bool dtype, which truncates each part."""
     x = node.args[0]
     assert isinstance(x, Node)
     src, dst = x.meta["val"].dtype, node.meta["val"].dtype
-    additive = dst.is_floating_point or dst.is_complex
-    return elementwise(node, "one" if additive and src != torch.bool else "none")
+    return elementwise(node, "one" if _exact_cast(src, dst) else "none")
+
+
+def _precision(dtype: torch.dtype) -> tuple[int, float, float]:
+    """(significant bits, largest finite value, smallest normal value) of a real dtype."""
+    if dtype.is_floating_point:
+        f = torch.finfo(dtype)
+        return round(-math.log2(f.eps)) + 1, f.max, f.tiny
+    i = torch.iinfo(dtype)
+    return i.bits - (1 if i.min < 0 else 0), float(i.max), 1.0
+
+
+def exact_linearity(node: Node, linear: str, operands: list[Node]) -> str:
+    """``linear`` narrowed to the operands whose dtype the result's holds exactly. A pending int64
+    sum of parts 1000000004 and -1000000000 divided by 2 (or cast, or multiplied by a float
+    tensor) in fp32 loses each part's low digits; the sum, 4, has none to lose. Bool operands
+    are never pending sums and do not count."""
+    if linear == "none":
+        return linear
+    vals = node.meta["val"]
+    out = next((v for v in (vals if isinstance(vals, (tuple, list)) else [vals]) if v is not None), None)
+    if out is None:
+        return linear
+    inexact = {
+        k
+        for k, o in enumerate(operands)
+        if (dtype := o.meta["val"].dtype) != torch.bool and not _exact_cast(dtype, out.dtype)
+    }
+    if not inexact:
+        return linear
+    last = len(operands) - 1
+    if linear == "all" or (linear == "first" and 0 in inexact) or (linear == "last" and last in inexact):
+        return "none"
+    if linear != "one":
+        return linear
+    exact = set(range(len(operands))) - inexact
+    return "first" if exact == {0} else "last" if exact == {last} else "none"
+
+
+def _exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether casting ``src`` to the floating ``dst`` keeps every value (so casting parts and
+    summing equals summing and casting, up to the sum's own rounding)."""
+    if src == dst:
+        return True
+    if src == torch.bool or not (dst.is_floating_point or dst.is_complex):
+        return False
+    if src.is_complex and not dst.is_complex:
+        return False
+    src, dst = src.to_real(), dst.to_real()
+    bits, top, low = _precision(src)
+    dst_bits, dst_top, dst_low = _precision(dst)
+    return dst_bits >= bits and dst_top >= top and dst_low <= low
 
 
 def is_zeros(n: Any) -> bool:

@@ -375,7 +375,7 @@ def rule_for(node: Node) -> tuple[Rule, list[Node]]:
         text, linear, operands = build(node)
     except (KeyError, IndexError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
         raise MissingRule(f"{node.target} ({exc})") from None
-    rule = parse(text, linear)
+    rule = parse(text, b.exact_linearity(node, linear, operands))
     _check_fits(node, rule, operands)
     return rule, operands
 
