@@ -119,6 +119,15 @@ KEPT_FUSED: tuple[Any, ...] = (
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # elementwise kernels with rules: decomposed they round differently from eager (SiLU, Llama's
+    # activation, in a quarter of its elements) and run as several ops
+    aten.silu.default,
+    aten.mish.default,
+    aten.softplus.default,
+    aten.lerp.Scalar,
+    aten.lerp.Tensor,
+    aten.logaddexp.default,
+    aten.xlogy.Tensor,
 )
 # Views the rules take as they are: decomposing each into a permute or squeeze.dims doubles its
 # tracing work (the decomposition is traced as an op of its own). Rewritten before a functionalize

@@ -199,11 +199,27 @@ def _dropout_error(what: str) -> Exception:
     )
 
 
+@torch.library.custom_op("shardspec::check_classes", mutates_args=())
+def _check_classes(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``labels`` (a copy), after the range check F.one_hot's kernel makes, with its messages."""
+    if labels.numel() and bool((labels < 0).any()):
+        raise RuntimeError("Class values must be non-negative.")
+    if labels.numel() and bool((labels >= num_classes).any()):
+        raise RuntimeError("Class values must be smaller than num_classes.")
+    return labels.clone()
+
+
+@_check_classes.register_fake
+def _(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    return torch.empty_like(labels)
+
+
 def one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     """F.one_hot as a comparison with arange: ATen's kernel checks the labels' range on their
-    values, which a shape-only trace cannot see (it read as user control flow). Labels out of range
-    give a row of zeros instead of an error. Without num_classes the width is the largest label + 1,
-    a value the step cannot be compiled on."""
+    values, which a shape-only trace cannot see (it read as user control flow). The check runs
+    when the program runs instead (``shardspec::check_classes``, elementwise: each device checks
+    its own labels), so a label out of range is eager's error, not a row of zeros. Without
+    num_classes the width is the largest label + 1, a value the step cannot be compiled on."""
     if num_classes < 0:
         raise fail(
             f"F.one_hot without num_classes at {user_frame()}: the number of classes would be the "
@@ -211,7 +227,8 @@ def one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
             "pass num_classes=<number of classes> to F.one_hot.",
         )
     classes = torch.arange(num_classes, device=labels.device, dtype=labels.dtype)
-    return (labels.unsqueeze(-1) == classes).to(torch.int64)
+    checked: torch.Tensor = torch.ops.shardspec.check_classes(labels, num_classes)
+    return (checked.unsqueeze(-1) == classes).to(torch.int64)
 
 
 _ONE_HOT = {F.one_hot, torch._C._nn.one_hot}

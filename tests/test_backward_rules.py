@@ -4,6 +4,7 @@ unsharded loss and gradients over a few meshes and specs."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -120,6 +121,24 @@ def test_one_hot_without_num_classes_names_the_line() -> None:
         ShardingError, match=r"(?s)one_hot without num_classes at .*test_backward_rules.*num_classes="
     ):
         step(torch.randn(4, 6), torch.tensor([0, 5, 1, 2]))
+
+
+@pytest.mark.parametrize("label", [6, -1])
+def test_one_hot_of_a_label_out_of_range_is_eagers_error(label: int) -> None:
+    """The range check F.one_hot makes on its labels' values runs in the program (on each device's
+    own labels): an out-of-range label raises as in eager, not a silent row of zeros."""
+
+    def fn(labels: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(labels, 6)
+
+    step = sharded(fn, mesh=MESHES["dp2"], in_specs=(P("dp"),), out_specs=P("dp"))
+    good = torch.tensor([0, 5, 1, 2])
+    assert torch.equal(step(good), fn(good))
+    bad = torch.tensor([0, 5, 1, label])
+    with pytest.raises(RuntimeError) as eager:
+        fn(bad)
+    with pytest.raises(RuntimeError, match=re.escape(str(eager.value))):
+        step(bad)
 
 
 def _constant_losses() -> list[Callable[..., torch.Tensor]]:

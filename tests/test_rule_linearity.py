@@ -92,6 +92,7 @@ def _hand() -> dict[Any, list[Call]]:
                 aten.__rshift__.Scalar,
             )
         },
+        torch.ops.shardspec.check_classes.default: [((_i(3, 4, hi=3), 5), {})],
         aten.sort.stable: [((x,), {"stable": True, "dim": 0}), ((x,), {"stable": True})],
         aten.amin.default: [((x, [1]), {})],
         aten.permute.default: [((x4, [0, 2, 1, 3]), {})],

@@ -46,6 +46,7 @@ REGISTRY: dict[Any, Builder] = {
     aten.mm.default: fixed("i k, k j -> i j", "one"),
     aten.bmm.default: fixed("b i k, b k j -> b i j", "one"),
     torch.ops.shardspec.matmul.default: b.batched_matmul,
+    torch.ops.shardspec.check_classes.default: partial(b.elementwise, linear="none"),
     torch.ops.shardspec.pipeline_boundary.default: partial(b.elementwise, linear="all"),
     aten.add.Tensor: partial(b.binary_arith, all_tensor_linear="all"),
     aten.sub.Tensor: partial(b.binary_arith, all_tensor_linear="all"),
