@@ -10,6 +10,7 @@ backward as the fused kernel for the input's gradient plus two sums (pending on 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -167,3 +168,104 @@ def views_as_permutes(graph: torch.fx.Graph) -> None:
             a, b = (int(d) % rank for d in n.args[1:3])
             order[a], order[b] = order[b], order[a]
         n.target, n.args = aten.permute.default, (x, order)
+
+
+def as_slices(
+    shape: Sequence[int], size: Sequence[int], stride: Sequence[int], offset: int
+) -> list[tuple[int, int, int, int]] | None:
+    """``as_strided(x, size, stride, offset)`` of a contiguous ``x`` of ``shape`` (storage offset 0)
+    as slices ``(dim, start, stop, step)`` of ``x`` followed by a reshape to ``size`` (which only
+    drops or adds size-1 dims), or None when it is not one (a permuted or overlapping view).
+    Checked on a meta tensor: the slices must give exactly ``stride`` and ``offset``."""
+    contiguous = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        contiguous[i] = contiguous[i + 1] * max(int(shape[i + 1]), 1)
+    starts, rest = [], int(offset)
+    for n, c in zip(shape, contiguous, strict=True):
+        starts.append(rest // c if n > 1 else 0)
+        rest -= starts[-1] * c
+    if rest or any(s >= max(int(n), 1) for s, n in zip(starts, shape, strict=True)):
+        return None
+    ops, dim = [], 0
+    for n, t in zip(size, stride, strict=True):
+        if n == 1:
+            continue
+        while dim < len(shape) and not (
+            shape[dim] > 1
+            and t > 0
+            and t % contiguous[dim] == 0
+            and starts[dim] + (n - 1) * (t // contiguous[dim]) < shape[dim]
+        ):
+            dim += 1
+        if dim == len(shape):
+            return None
+        step = t // contiguous[dim]
+        ops.append((dim, starts[dim], starts[dim] + (n - 1) * step + 1, step))
+        dim += 1
+    kept = {op[0] for op in ops}
+    ops += [(d, starts[d], starts[d] + 1, 1) for d in range(len(shape)) if d not in kept and shape[d] > 1]
+    view = torch.empty(tuple(shape), device="meta")
+    for d, a, b, s in ops:
+        view = view[(slice(None),) * d + (slice(a, b, s),)]
+    view = view.reshape(tuple(size))
+    same = all(n == 1 or v == t for n, v, t in zip(size, view.stride(), stride, strict=True))
+    return ops if same and view.storage_offset() == offset and view.numel() == math.prod(size) else None
+
+
+def _blocks(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> Any:
+    """(shape to view ``x`` as, slices) expressing ``as_strided``, or None. Autograd flattens the
+    base of a view it writes through, so besides ``x``'s own shape try the shape the strides
+    factor its elements into ((32,) with strides (4, 1): (8, 4))."""
+    if not (x.is_contiguous() and x.storage_offset() == 0):
+        return None
+    shapes = [tuple(x.shape)]
+    dims, rest = [], x.numel()
+    for t in sorted({int(t) for n, t in zip(size, stride, strict=True) if n > 1}, reverse=True):
+        if t <= 0 or rest % t:
+            break
+        dims.append(rest // t)
+        rest = t
+    else:
+        shapes.append((*dims, rest) if rest > 1 else tuple(dims))
+    for shape in shapes:
+        ops = as_slices(shape, size, stride, offset)
+        if ops is not None:
+            return shape, ops
+    return None
+
+
+def _as_strided(
+    x: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None = None
+) -> Any:
+    """as_strided of a contiguous tensor that is a slicing of it (autograd's backward of a slice
+    assignment, circular padding's backward): those slices, which have rules, and a reshape."""
+    found = _blocks(x, size, stride, offset or 0)
+    if found is None:
+        return NotImplemented
+    shape, ops = found
+    x = aten.view.default(x, list(shape))
+    for d, a, b, s in ops:
+        x = aten.slice.Tensor(x, d, a, b, s)
+    return aten.view.default(x, list(size))
+
+
+def _as_strided_scatter(
+    x: torch.Tensor, src: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None = None
+) -> Any:
+    """as_strided_scatter into a contiguous tensor where the region is a slicing of it: nested
+    slice_scatters (each with a rule), innermost first."""
+    found = _blocks(x, size, stride, offset or 0)
+    if found is None:
+        return NotImplemented
+    shape, ops = found
+    views = [aten.view.default(x, list(shape))]
+    for d, a, b, s in ops:
+        views.append(aten.slice.Tensor(views[-1], d, a, b, s))
+    out = aten.view.default(src, list(views[-1].shape))
+    for (d, a, b, s), base in zip(reversed(ops), reversed(views[:-1]), strict=True):
+        out = aten.slice_scatter.default(base, out, d, a, b, s)
+    return aten.view.default(out, list(x.shape))
+
+
+_EXTRA_DECOMPOSITIONS[aten.as_strided.default] = _as_strided
+_EXTRA_DECOMPOSITIONS[aten.as_strided_scatter.default] = _as_strided_scatter

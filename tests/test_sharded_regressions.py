@@ -115,22 +115,19 @@ def test_reshaping_an_empty_tensor_is_not_refused():
 
 def test_an_op_without_a_rule_runs_where_its_operands_are_held_whole():
     """Replicated operands: running the op on every rank moves nothing, so it is not refused
-    (circular pad's backward, the error check torch.linalg.solve ends with); split ones still are."""
-    import torch.nn.functional as F
-
-    import shardspec
+    (a custom op, the error check torch.linalg.solve ends with); split ones still are."""
     from shardspec.errors import ShardingError
+    from tests._custom_ops import doubled
 
     mesh = Mesh({"dp": 2}, simulate=True)
 
     def loss(x):
-        return F.pad(x, (1, 2), mode="circular").square().sum()
+        return doubled(x).square().sum()
 
     x = torch.randn(4, 3, 5)
-    step = sharded(shardspec.value_and_grad(loss), mesh=mesh, in_specs=(P(),), out_specs=(P(), P()))
-    for got, want in zip(step(x), shardspec.value_and_grad(loss)(x), strict=True):
-        torch.testing.assert_close(got, want)
-    split = sharded(shardspec.value_and_grad(loss), mesh=mesh, in_specs=(P("dp"),), out_specs=(P(), P("dp")))
+    step = sharded(loss, mesh=mesh, in_specs=(P(),), out_specs=P())
+    torch.testing.assert_close(step(x), loss(x))
+    split = sharded(loss, mesh=mesh, in_specs=(P("dp"),), out_specs=P())
     try:
         split(x)
         raise AssertionError("a split operand of an op without a rule was not refused")
@@ -290,3 +287,34 @@ def test_bitwise_ops_and_shifts_with_python_scalars_have_elementwise_rules():
         step = sharded(fn, mesh=mesh, in_specs=(P("a"), P("a")), out_specs=P("a"))
         assert torch.equal(step(x, y), fn(x, y))
         assert step.lower(x, y).cost().collective_count == 0
+
+
+@pytest.mark.parametrize("write", ["column", "rows_scaled", "circular_pad"])
+def test_backward_of_slice_writes_runs_on_a_split_batch(write: str):
+    """Autograd's backward of a slice assignment (and of circular padding) reads the gradient
+    through as_strided: traced as the slices it is, it has rules, with the batch split as in DP."""
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        if write == "column":
+            h[:, 0] = 0.0
+        elif write == "rows_scaled":
+            h[:, 1:3] *= 0.5
+        else:
+            h = torch.nn.functional.pad(h.unsqueeze(1), (2, 1), mode="circular").squeeze(1)
+        return h
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (body(x @ w) ** 2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(5, 4, generator=g), torch.randn(8, 5, generator=g)
+    step = sharded(
+        shardspec.value_and_grad(loss),
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(P(), P("dp")),
+        out_specs=(P(), P()),
+    )
+    got, grad = step(w, x)
+    want, want_grad = torch.func.grad_and_value(loss)(w, x)[::-1]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, want_grad)

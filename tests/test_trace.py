@@ -1,8 +1,14 @@
 """compiler.trace: one functional core-ATen graph on global shapes, and the user errors tracing exposes."""
 
+import math
+from typing import Any
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from compiler.decompose import as_slices
 from compiler.trace import trace
 from shardspec import ShardingError
 
@@ -123,3 +129,29 @@ def test_backward_ops_are_labelled_with_the_forward_line_that_caused_them():
     assert forward_mul.endswith("# LINE doubled")
     assert backward_mul == "backward of " + forward_mul  # not the line inside _Doubled.backward
     assert labels[aten.mm.default][-1].startswith("backward of ")  # the weight's gradient
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_as_strided_slicings_are_recognised_exactly(data: Any) -> None:
+    """Autograd reads a written slice back through as_strided; tracing rewrites it as the slices
+    it is. Any slicing (steps, selects, size-1 dims) of a contiguous tensor is recognised and
+    reproduces as_strided's values; a transposed view is not a slicing and is left alone."""
+    shape = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    x = torch.arange(math.prod(shape)).reshape(shape)
+    view = x
+    for d, n in enumerate(shape):
+        a = data.draw(st.integers(0, n - 1))
+        b = data.draw(st.integers(a + 1, n))
+        view = view[(slice(None),) * d + (slice(a, b, data.draw(st.integers(1, 3))),)]
+    if view.dim() and data.draw(st.booleans()):
+        view = view.select(data.draw(st.integers(0, view.dim() - 1)), 0)
+    size, stride, offset = list(view.shape), list(view.stride()), view.storage_offset()
+    ops = as_slices(shape, size, stride, offset)
+    assert ops is not None
+    got = x
+    for d, a, b, s in ops:
+        got = got[(slice(None),) * d + (slice(a, b, s),)]
+    assert torch.equal(got.reshape(size), torch.as_strided(x, size, stride, offset))
+    if len(shape) == 2 and min(shape) > 1:
+        assert as_slices(shape, shape[::-1], [1, shape[1]], 0) is None
