@@ -18,6 +18,9 @@ import torch
 import torch.fx.traceback as fxt
 from torch._decomp import core_aten_decompositions
 
+from compiler.sources import user_frame
+from shardspec.errors import fail
+
 aten = torch.ops.aten
 
 
@@ -216,8 +219,6 @@ def _blocks(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset:
     """(shape to view ``x`` as, slices) expressing ``as_strided``, or None. Autograd flattens the
     base of a view it writes through, so besides ``x``'s own shape try the shape the strides
     factor its elements into ((32,) with strides (4, 1): (8, 4))."""
-    if not (x.is_contiguous() and x.storage_offset() == 0):
-        return None
     shapes = [tuple(x.shape)]
     dims, rest = [], x.numel()
     for t in sorted({int(t) for n, t in zip(size, stride, strict=True) if n > 1}, reverse=True):
@@ -234,11 +235,29 @@ def _blocks(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset:
     return None
 
 
+def _own_storage(x: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int) -> None:
+    """as_strided reads ``x``'s storage, not its values: the traced step, which works on values,
+    can only follow it where that storage is ``x`` itself, laid out contiguously."""
+    last = offset + sum((n - 1) * t for n, t in zip(size, stride, strict=True) if n > 0)
+    if x.is_contiguous() and x.storage_offset() == 0 and (0 in size or 0 <= last < x.numel()):
+        return
+    raise fail(
+        f"as_strided at {user_frame()} on a tensor of shape {tuple(x.shape)} with strides "
+        f"{tuple(x.stride())} and storage offset {x.storage_offset()}, asking for size {tuple(size)}, "
+        f"stride {tuple(stride)}, offset {offset}: it reads memory beyond that tensor's own contiguous "
+        "elements (a transposed or sliced view's base), which a traced step, working on values, "
+        "cannot follow.",
+        "call .contiguous() on the tensor first (as_strided then reads its own elements), or express "
+        "the view with slicing, unfold or reshape.",
+    )
+
+
 def _as_strided(
     x: torch.Tensor, size: Sequence[int], stride: Sequence[int], offset: int | None = None
 ) -> Any:
     """as_strided of a contiguous tensor that is a slicing of it (autograd's backward of a slice
     assignment, circular padding's backward): those slices, which have rules, and a reshape."""
+    _own_storage(x, size, stride, offset or 0)
     found = _blocks(x, size, stride, offset or 0)
     if found is None:
         return NotImplemented
@@ -254,6 +273,7 @@ def _as_strided_scatter(
 ) -> Any:
     """as_strided_scatter into a contiguous tensor where the region is a slicing of it: nested
     slice_scatters (each with a rule), innermost first."""
+    _own_storage(x, size, stride, offset or 0)
     found = _blocks(x, size, stride, offset or 0)
     if found is None:
         return NotImplemented

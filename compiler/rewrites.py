@@ -201,7 +201,13 @@ def _dropout_error(what: str) -> Exception:
 
 @torch.library.custom_op("shardspec::check_classes", mutates_args=())
 def _check_classes(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """``labels`` (a copy), after the range check F.one_hot's kernel makes, with its messages."""
+    """``labels`` (a copy), after the range check F.one_hot's kernel makes, with its messages (on
+    an accelerator an asynchronous assert, so the check does not wait for the device)."""
+    if labels.device.type != "cpu":
+        torch._assert_async(
+            (labels >= 0).all() & (labels < num_classes).all(), "Class values must be in [0, num_classes)."
+        )
+        return labels.clone()
     if labels.numel() and bool((labels < 0).any()):
         raise RuntimeError("Class values must be non-negative.")
     if labels.numel() and bool((labels >= num_classes).any()):
@@ -235,6 +241,7 @@ _ONE_HOT = {F.one_hot, torch._C._nn.one_hot}
 _LINEAR_CE = {getattr(F, "linear_cross_entropy", None)} - {None}
 _TENSOR_SPLIT = {torch.tensor_split, torch.Tensor.tensor_split}
 _RRELU = {F.rrelu, torch.rrelu}
+_RRELU_INPLACE = {F.rrelu_, torch.rrelu_}
 
 
 def _rrelu_eval(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, float, bool] | None:
@@ -243,6 +250,8 @@ def _rrelu_eval(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, floa
     rule, where its training form draws a slope per element."""
     names = ("input", "lower", "upper", "training", "inplace" if func is F.rrelu else "generator")
     bound = dict(zip(names, args, strict=False)) | kwargs
+    if func in _RRELU_INPLACE:
+        bound["inplace"] = True
     if bound.get("training", False) or "generator" in bound:
         return None
     lower, upper = bound.get("lower", 1.0 / 8), bound.get("upper", 1.0 / 3)
@@ -291,7 +300,7 @@ class Rewrites(TorchFunctionMode):
             return one_hot(*args, **kwargs)
         if func in _LINEAR_CE:
             return linear_cross_entropy(*args, **kwargs)
-        if func in _RRELU and (leaky := _rrelu_eval(func, args, kwargs)) is not None:
+        if func in _RRELU | _RRELU_INPLACE and (leaky := _rrelu_eval(func, args, kwargs)) is not None:
             return F.leaky_relu(leaky[0], leaky[1], inplace=leaky[2])
         if func in _TENSOR_SPLIT and isinstance(_split_points(args, kwargs), torch.Tensor):
             raise fail(

@@ -402,7 +402,7 @@ def test_uniform_draws_in_a_narrow_dtype_stay_below_one(dtype: torch.dtype) -> N
     assert u.dtype == dtype and float(u.max()) < 1.0 and float(u.min()) >= 0.0
 
 
-@pytest.mark.parametrize("call", ["default", "explicit", "torch", "module"])
+@pytest.mark.parametrize("call", ["default", "explicit", "torch", "module", "in_place", "torch_in_place"])
 def test_rrelu_out_of_training_is_its_deterministic_mean_slope(call: str) -> None:
     """rrelu out of training (F.rrelu's default, nn.RReLU in eval mode) draws nothing: it runs as
     leaky_relu with the mean slope, bit-equal to eager, with a split batch."""
@@ -411,6 +411,8 @@ def test_rrelu_out_of_training_is_its_deterministic_mean_slope(call: str) -> Non
         "explicit": lambda x: F.rrelu(x, 0.1, 0.3, training=False),
         "torch": lambda x: torch.rrelu(x, 0.2, 0.4),
         "module": torch.nn.RReLU(0.05, 0.25).eval(),
+        "in_place": lambda x: F.rrelu_(x * 1, 0.1, 0.2),
+        "torch_in_place": lambda x: torch.rrelu_(x * 1, 0.1, 0.2),
     }
     fn = fns[call]
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))

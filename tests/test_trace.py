@@ -155,3 +155,19 @@ def test_as_strided_slicings_are_recognised_exactly(data: Any) -> None:
     assert torch.equal(got.reshape(size), torch.as_strided(x, size, stride, offset))
     if len(shape) == 2 and min(shape) > 1:
         assert as_slices(shape, shape[::-1], [1, shape[1]], 0) is None
+
+
+@pytest.mark.parametrize("case", ["transposed", "past_the_view"])
+def test_as_strided_on_memory_beyond_the_tensor_is_refused(case: str) -> None:
+    """as_strided reads storage: on a transposed view, or past a view into its base, the values a
+    traced step holds are not that storage, so it is an error naming the line, not a wrong result."""
+    from shardspec import Mesh, P, sharded
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if case == "transposed":
+            return torch.as_strided((x + 0.5).transpose(1, 2), (4, 3, 4), (48, 16, 2), 1)
+        return torch.as_strided((x + 0.5)[0, :2], (3, 8), (8, 1), 0)  # 3 rows of a 2-row view
+
+    step = sharded(f, mesh=Mesh({"dp": 1}, simulate=True), in_specs=(P(),), out_specs=P())
+    with pytest.raises(ShardingError, match=r"(?s)as_strided at .*test_trace.py.*\.contiguous\(\)"):
+        step(torch.randn(4, 6, 8))
