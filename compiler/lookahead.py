@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch.fx import Node
 
 from compiler.propagate_state import _VIEW_LIKE, CONSTRAIN, PropagatorBase, Want, _node, shape
 from compiler.sharding import Axes, Sharding
 from shardspec.errors import ShardingError
+
+_ADAMW = torch.ops.shardspec.adamw.default
 
 
 class Lookahead(PropagatorBase):
@@ -81,11 +84,14 @@ class Lookahead(PropagatorBase):
                 rule, operands = self.rule(user)
             except ShardingError:
                 continue
-            if node not in operands or len(rule.outputs) != 1:
+            # the optimizer update runs where its state lies: its parameter and moments, though
+            # arguments, say where the gradient is wanted (reduce-scattered, not all-reduced)
+            update = user.target is _ADAMW
+            if node not in operands or (len(rule.outputs) != 1 and not update):
                 continue
             factors: dict[str, Axes] = {}
             for o, toks in zip(operands, rule.operands, strict=True):
-                s = self.result.value.get(o) if o is not node and o.op != "placeholder" else None
+                s = self.result.value.get(o) if o is not node and (update or o.op != "placeholder") else None
                 if isinstance(s, Sharding) and len(s.dims) == len(toks):
                     for t, axes in zip(toks, s.dims, strict=True):
                         if t and axes and t[0] not in rule.reductions:

@@ -85,7 +85,7 @@ class _Propagator(Lookahead, PendingSums):
         hint = self.want.get(node) or self.consumer_hint(node)  # the same for every candidate
         scored = [
             s
-            for a in self.candidates(node, rule, operands, current)
+            for a in self.candidates(node, rule, operands, current, hint)
             if (s := self.score(node, rule, operands, current, a, sizes, hint)) is not None
         ]
         assert scored, f"no valid sharding for {node.target}"
@@ -124,7 +124,7 @@ class _Propagator(Lookahead, PendingSums):
                 self.moved.setdefault(o, []).append(r)
 
     def candidates(
-        self, node: Node, rule: Rule, operands: list[Node], current: list[Sharding]
+        self, node: Node, rule: Rule, operands: list[Node], current: list[Sharding], hint: Want | None = None
     ) -> list[dict[str, Axes]]:
         options: dict[str, list[Axes]] = {f: [()] for f in rule.factors}
         for o, toks, s in zip(operands, rule.operands, current, strict=True):
@@ -137,6 +137,10 @@ class _Propagator(Lookahead, PendingSums):
                     if t and axes and axes not in options[t[0]]:
                         options[t[0]].append(axes)
         w = self.want.get(node)
+        if w is None and rule.linear == "none" and any(s.partial for s in current):
+            # a pending sum reduced here may be reduce-scattered into the layout its consumer
+            # wants (a gradient cast before its sharded update) rather than all-reduced whole
+            w = hint
         if w is not None and len(rule.outputs) == 1 and len(rule.outputs[0]) == len(w):
             for t, want_axes in zip(rule.outputs[0], w, strict=True):
                 if t and want_axes and want_axes not in options[t[0]]:

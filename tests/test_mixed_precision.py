@@ -6,6 +6,8 @@ model-state bytes per rank follow ZeRO's formulas for DP, ZeRO-1, ZeRO-2 and ZeR
 
 from __future__ import annotations
 
+from typing import Any
+
 import optree
 import pytest
 import torch
@@ -187,3 +189,34 @@ def test_reduce_dtype_narrows_gradient_reductions_only_not_a_norm_computed_from_
     )
     assert [c.dtype for c in f.lower(w, x).collectives()] == [torch.float32]
     torch.testing.assert_close(f(w, x), step(w, x))
+
+
+def test_zero3_master_weights_reduce_scatter_gradients_before_the_bf16_rounding():
+    """bf16 compute from fp32 master weights split over dp: a layer norm's weight gradient is an
+    fp32 sum rounded to bf16. Each device's part may not be rounded on its own, and the sum is
+    reduce-scattered in fp32 into the update's layout, not all-reduced whole: no fp32 tensor is
+    all-reduced."""
+    cfg = gpt.Config(vocab=64, seq=16, d=32, heads=4, layers=1)
+
+    def loss_fn(p32: dict[str, torch.Tensor], tok: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        p = {k: v.to(torch.bfloat16) for k, v in p32.items()}
+        return F.cross_entropy(gpt.forward(p, tok, cfg).float().reshape(-1, cfg.vocab), tgt.reshape(-1))
+
+    opt = optim.adamw(lr=1e-3)
+    params = gpt.init(cfg)
+    ps = {k: P("dp") for k in params}
+
+    def step(p: Any, s: Any, tok: torch.Tensor, tgt: torch.Tensor) -> Any:
+        loss, grads = shardspec.value_and_grad(loss_fn)(p, tok, tgt)
+        return (*opt.update(grads, s, p), loss)
+
+    f = sharded(
+        step,
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(ps, opt.state_specs(ps), P("dp"), P("dp")),
+        out_specs=(ps, opt.state_specs(ps), P()),
+    )
+    tok = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    launches = f.lower(params, opt.init(params), tok, tok).collectives()
+    assert not [c for c in launches if c.kind == "all_reduce" and c.dtype == torch.float32 and c.shape]
+    assert any(c.kind == "reduce_scatter" and c.dtype == torch.float32 for c in launches)
