@@ -341,11 +341,12 @@ def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
     )
     if data_dependent:
         raise fail(
-            f"{name}: Python control flow depends on tensor values at {where}. The step is traced "
-            "once on shapes only, so a branch, loop or size computed from a tensor's value cannot be "
-            "compiled.",
-            "compute both sides and select with torch.where, or move the decision out of the step "
-            "(pass it as a Python scalar argument).",
+            f"{name}: a tensor's value is read as a Python value at {where} (a branch, a loop, a size, "
+            ".item() or .tolist() on a tensor, or torch's own implementation of an op on that line, "
+            "as torch.cov does). The step is traced once on shapes only, so what depends on a "
+            "tensor's value cannot be compiled.",
+            "compute both sides and select with torch.where, move the decision out of the step (pass "
+            "it as a Python scalar argument), or write the op from ops that do not read values.",
         ) from None
 
 
