@@ -22,10 +22,16 @@ def value_and_grad(
     fn: Callable[..., torch.Tensor],
     argnums: int | Sequence[int] = 0,
     *,
+    has_aux: bool = False,
     microbatches: int | None = None,
     batch_argnums: int | Sequence[int] | None = None,
-) -> Callable[..., tuple[torch.Tensor, Any]]:
+) -> Callable[..., tuple[Any, Any]]:
     """``(loss, grads)`` of a scalar ``fn`` with respect to argument(s) ``argnums``.
+
+    With ``has_aux=True`` (as ``jax.value_and_grad``), ``fn`` returns ``(loss, aux)``, aux any
+    pytree (metrics, new buffers) that is not differentiated, and the result is
+    ``((loss, aux), grads)``. With microbatches each tensor of aux comes back stacked on a new
+    leading dim, index k holding microbatch k's (reduce it as the metric needs: a mean, a sum).
 
     With ``microbatches=m`` the batch arguments are split into ``m`` chunks along dim 0, chunk k
     holding rows k, k + m, k + 2m, ... (so a batch split over data-parallel devices splits every
@@ -54,28 +60,31 @@ def value_and_grad(
         )
     name = getattr(fn, "__name__", "the function")
 
-    def scalar(*args: Any) -> torch.Tensor:
+    def scalar(*args: Any) -> Any:
         out = fn(*args)
-        if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
-            what = (
-                f"a {type(out).__name__}"
-                if not isinstance(out, torch.Tensor)
-                else (f"a {out.dtype} tensor of shape {tuple(out.shape)}")
-            )
-            raise fail(
-                f"value_and_grad({name}) needs a floating-point scalar loss, but {name} returned {what}.",
-                "reduce the loss to one value (e.g. .mean() or .sum()) before returning it.",
-            )
+        if has_aux:
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise fail(
+                    f"value_and_grad({name}, has_aux=True) needs {name} to return a pair (loss, aux), "
+                    f"but it returned {_what(out)}.",
+                    "return (loss, aux), or leave has_aux off and return the loss alone.",
+                )
+            _check_loss(name, out[0])
+            _check_aux(name, out[1])
+            return out
+        _check_loss(name, out)
         return out
 
-    grad_fn = torch.func.grad_and_value(scalar, argnums=argnums if isinstance(argnums, int) else nums)
+    grad_fn = torch.func.grad_and_value(
+        scalar, argnums=argnums if isinstance(argnums, int) else nums, has_aux=has_aux
+    )
 
-    def run(*args: Any) -> tuple[torch.Tensor, Any]:
+    def run(*args: Any) -> tuple[Any, Any]:
         call = next(_CALLS)
         _check_differentiable(nums, argnums, args)
         if microbatches is None or microbatches == 1:
-            grads, loss = _labelled(grad_fn, 0, call, args)
-            return loss, grads
+            grads, value = _labelled(grad_fn, 0, call, args)
+            return value, grads
         if not isinstance(microbatches, int) or microbatches < 1:
             raise fail(
                 f"value_and_grad(microbatches={microbatches!r}) must be a positive int.",
@@ -93,15 +102,54 @@ def value_and_grad(
                 chunks.append([a] * microbatches)  # differentiated, or the same for every example
                 continue
             chunks.append(_split(a, microbatches, i))
-        total_loss, total_grads = None, None
+        total_loss, total_grads, auxes = None, None, []
         for k in range(microbatches):
-            grads, loss = _labelled(grad_fn, k, call, tuple(c[k] for c in chunks))
+            grads, value = _labelled(grad_fn, k, call, tuple(c[k] for c in chunks))
+            loss = value[0] if has_aux else value
+            if has_aux:
+                auxes.append(value[1])
             total_loss = loss if total_loss is None else total_loss + loss
             total_grads = grads if total_grads is None else optree.tree_map(torch.add, total_grads, grads)
         assert total_loss is not None and total_grads is not None
-        return total_loss / microbatches, optree.tree_map(lambda g: g / microbatches, total_grads)
+        mean = total_loss / microbatches, optree.tree_map(lambda g: g / microbatches, total_grads)
+        if not has_aux:
+            return mean
+        return (mean[0], _stack_aux(auxes)), mean[1]
 
     return run
+
+
+def _what(out: Any) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+    if isinstance(out, tuple):
+        return f"a tuple of {len(out)}"
+    return f"a {type(out).__name__}"
+
+
+def _check_loss(name: str, out: Any) -> None:
+    if not isinstance(out, torch.Tensor) or out.dim() != 0 or not out.is_floating_point():
+        raise fail(
+            f"value_and_grad({name}) needs a floating-point scalar loss, but {name} returned {_what(out)}.",
+            "reduce the loss to one value (e.g. .mean() or .sum()) before returning it.",
+        )
+
+
+def _check_aux(name: str, aux: Any) -> None:
+    paths, leaves, _ = optree.tree_flatten_with_path(aux, none_is_leaf=False)
+    for path, leaf in zip(paths, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            where = "aux" + "".join(f"[{p!r}]" for p in path)
+            raise fail(
+                f"value_and_grad({name}, has_aux=True): {where} is a {type(leaf).__name__}, and aux "
+                "holds tensors only (as torch.func.grad's does).",
+                "return tensors in aux (torch.as_tensor(x)), or compute that value outside value_and_grad.",
+            )
+
+
+def _stack_aux(auxes: list[Any]) -> Any:
+    """The microbatches' aux trees, each tensor stacked on a new leading dim (index k: chunk k)."""
+    return optree.tree_map(lambda *xs: torch.stack(xs), auxes[0], *auxes[1:], none_is_leaf=False)
 
 
 def _check_differentiable(nums: tuple[int, ...], argnums: Any, args: tuple[Any, ...]) -> None:

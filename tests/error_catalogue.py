@@ -330,6 +330,24 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "autograd",
+        "value_and_grad(has_aux=True) of a loss function that returns the loss alone",
+        lambda: _step(
+            shardspec.value_and_grad(lambda w, x: (x @ w).sum(), has_aux=True), (P(), P("dp")), P()
+        )(torch.ones(4, 2), X),
+        ("to return a pair (loss, aux)", "a torch.float32 tensor of shape ()", "leave has_aux off"),
+    ),
+    Case(
+        "autograd",
+        "value_and_grad(has_aux=True) with a Python number in aux",
+        lambda: _step(
+            shardspec.value_and_grad(lambda w, x: ((x @ w).sum(), {"n": 3}), has_aux=True),
+            (P(), P("dp")),
+            P(),
+        )(torch.ones(4, 2), X),
+        ("aux['n'] is a int", "tensors only", "torch.as_tensor"),
+    ),
+    Case(
+        "autograd",
         "torch.func.grad through a sharded step",
         _grad_outside,
         ("torch.func transform", "value_and_grad"),
