@@ -17,7 +17,13 @@ from torch.fx import GraphModule, Node
 from compiler import passes as program_passes
 from compiler.checkpointing import regions
 from compiler.partition import Inserted, partition
-from compiler.pipeline.plan import PipelinePlan, check_pipeline, drop_boundaries, plan_pipeline
+from compiler.pipeline.plan import (
+    PipelinePlan,
+    check_pipeline,
+    check_pipeline_layouts,
+    drop_boundaries,
+    plan_pipeline,
+)
 from compiler.plan.auto import AUTO
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
@@ -199,7 +205,8 @@ def compile_program(
         from compiler.plan import CostModel, Free, plan_globally
 
         regather = program_passes.options(passes).regather
-        free = Free(auto_in, auto_out, {i: traced.in_paths[i] for i in auto_in})
+        fixed = frozenset({pipeline.axis} if pipeline is not None else ())
+        free = Free(auto_in, auto_out, {i: traced.in_paths[i] for i in auto_in}, fixed)
         model = cost_model if cost_model is not None else CostModel()
         prop = plan_globally(
             traced.module.graph, prop, inputs, outputs, mesh, model, unsupported, regather=regather, free=free
@@ -209,6 +216,8 @@ def compile_program(
             tensor_specs[i] = prop.value[holders[i]].spec
         for k in auto_out:
             out_leaf_specs[k] = prop.outputs[k].spec
+    if pipeline is not None:
+        check_pipeline_layouts(pipeline, traced.module.graph, prop.value)
     first, inserted = partition(traced.module, prop, mesh, 0, list(traced.in_paths))
     programs = [first]
     if not _even(prop, mesh, traced.module.graph):

@@ -346,3 +346,30 @@ def test_batch_argnums_keeps_a_non_batch_argument_whole():
         shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=(0, 1))
     with pytest.raises(ShardingError, match=r"names argument\(s\) \[5\].*called with 3"):
         shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=5)(p, x, mask)
+
+
+def test_error_constrain_over_the_pipeline_axis_names_the_constrain():
+    """Was a 60 s collective timeout: the layout a pipeline position cannot compute is refused
+    when compiling, at the user's constrain line."""
+
+    def loss_fn(p, x, y):
+        h = shardspec.constrain(torch.tanh(x @ p["w0"]), P("pp", None))
+        h = shardspec.pipeline_boundary(h)
+        return torch.nn.functional.cross_entropy(h @ p["w1"], y)
+
+    def step(p, x, y):
+        return shardspec.value_and_grad(loss_fn, microbatches=2)(p, x, y)
+
+    p = {"w0": torch.randn(8, 16), "w1": torch.randn(16, 4)}
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    run = sharded(
+        step,
+        mesh=Mesh({"pp": 2}, simulate=True),
+        in_specs=(P(), P(), P()),
+        out_specs=P(),
+        pipeline=Pipeline("pp"),
+    )
+    with pytest.raises(
+        ShardingError, match=r"constrain\(\.\.\., P\('pp'\)\) at .*splits over the pipeline axis 'pp'"
+    ):
+        run(p, x, y)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 
+import optree
 import pytest
 import torch
 
+import shardspec
 from compiler.plan import modeled_time
 from compiler.plan.auto import held_bytes
 from compiler.sharding import Sharding
@@ -203,3 +205,40 @@ def test_cost_model_arguments_are_checked():
         sharded(STEP, mesh=MESH, in_specs=(), out_specs=(), cost_model={"latency_s": 0})
     with pytest.raises(ShardingError, match="gives bandwidth or latency for \\['pp'\\]"):
         sharded(STEP, mesh=MESH, in_specs=(), out_specs=(), cost_model=CostModel(bandwidth={"pp": 1e9}))
+
+
+def _pipelined_loss(p, x, y):
+    h = shardspec.pipeline_boundary(torch.tanh(x @ p["w0"]))
+    return torch.nn.functional.cross_entropy(h @ p["w1"], y)
+
+
+@pytest.mark.parametrize("memory", [None, 12000])
+def test_auto_with_a_pipeline_never_splits_over_the_pipeline_axis(memory):
+    """Each pipeline position computes only its stages' values: an AUTO layout over the pipeline
+    axis returned blocks never computed (wrong gradients; with a memory limit, a gather that hung)."""
+    from shardspec import Pipeline
+
+    opt = optim.sgd(lr=0.1)
+
+    def step(p, s, x, y):
+        loss, g = shardspec.value_and_grad(_pipelined_loss, microbatches=2)(p, x, y)
+        p, s = opt.update(g, s, p)
+        return p, s, loss
+
+    g = torch.Generator().manual_seed(0)
+    p = {"w0": torch.randn(64, 64, generator=g) / 8, "w1": torch.randn(64, 4, generator=g) / 8}
+    x, y = torch.randn(16, 64, generator=g), torch.randint(0, 4, (16,), generator=g)
+    run = sharded(
+        step,
+        mesh=Mesh({"pp": 2, "dp": 2}, simulate=True),
+        in_specs=(AUTO, AUTO, P("dp"), P("dp")),
+        out_specs=(AUTO, AUTO, P()),
+        pipeline=Pipeline("pp", "1f1b"),
+        cost_model=CostModel(memory_bytes=memory) if memory else None,
+    )
+    s = opt.init(p)
+    got, want = optree.tree_leaves(run(p, s, x, y)), optree.tree_leaves(step(p, s, x, y))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    prog = run.lower(p, s, x, y).program
+    assert all("pp" not in spec.axes for spec in (*prog.in_specs, *prog.out_specs))

@@ -56,6 +56,34 @@ def check_pipeline(pipeline: Pipeline, mesh: Mesh, specs: Sequence[tuple[str, P]
             )
 
 
+def check_pipeline_layouts(pipeline: Pipeline, graph: torch.fx.Graph, value: dict[Any, Any]) -> None:
+    """No value of a pipelined step is laid out over the pipeline axis: each position along it
+    computes other stages' values, so a block (or a pending addend) there would be one never
+    computed. ``constrain(x, P(pp, ...))`` inside the step is the way to ask for one."""
+    from compiler.constrain import decode
+    from compiler.propagate_state import CONSTRAIN
+    from compiler.sharding import Sharding
+    from compiler.sources import source_of
+
+    nodes = sorted(graph.nodes, key=lambda n: n.target is not CONSTRAIN)  # name a constrain first
+    for n in nodes:
+        held = value.get(n)
+        held = held if isinstance(held, (tuple, list)) else (held,)
+        if not any(isinstance(h, Sharding) and pipeline.axis in (*h.axes, *h.partial) for h in held):
+            continue
+        line = source_of(n)
+        what = (
+            f"constrain(..., {decode(str(n.kwargs['spec']))})"
+            if n.target is CONSTRAIN
+            else f"a value ({n.name})"
+        )
+        raise fail(
+            f"{what}{' at ' + line if line else ''} splits over the pipeline axis {pipeline.axis!r}.",
+            f"leave {pipeline.axis!r} out of the specs: the pipeline places each stage's values on its "
+            "own positions along it.",
+        )
+
+
 def microbatches_of(module: GraphModule) -> int:
     from compiler.grad import MICROBATCH
 

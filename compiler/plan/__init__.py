@@ -61,7 +61,9 @@ def plan_globally(
         greedy = plan_globally(
             graph, greedy, inputs, outputs, mesh, unbounded, unsupported, cap, time_limit_s, regather
         )
-    choices = {placeholders[i]: layouts(shape(placeholders[i]), mesh) for i in free.inputs}
+    choices = {
+        placeholders[i]: layouts(shape(placeholders[i]), mesh, exclude=free.fixed_axes) for i in free.inputs
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # greedy already warned about replicated fallbacks
         problem, options = _build(
@@ -117,11 +119,13 @@ def _over_limit(model: CostModel, held: int) -> Exception:
 
 @dataclass(frozen=True)
 class Free:
-    """Positions of AUTO inputs (placeholders) and results, with their paths for explain()."""
+    """Positions of AUTO inputs (placeholders) and results, with their paths for explain(), and
+    the axes no AUTO layout may split over (a pipeline's axis)."""
 
     inputs: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     in_paths: dict[int, str] = field(default_factory=dict)
+    fixed_axes: frozenset[str] = frozenset()
 
 
 def _itemsize(n: Node) -> int:

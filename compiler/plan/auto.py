@@ -29,9 +29,12 @@ class _Auto:
 AUTO = _Auto()
 
 
-def layouts(shape: tuple[int, ...], mesh: Mesh, cap: int = 32) -> list[Sharding]:
-    """Even layouts of ``shape`` on ``mesh``, fewest devices holding each element first."""
-    axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
+def layouts(
+    shape: tuple[int, ...], mesh: Mesh, cap: int = 32, exclude: frozenset[str] = frozenset()
+) -> list[Sharding]:
+    """Even layouts of ``shape`` on ``mesh``, fewest devices holding each element first; no layout
+    splits over an ``exclude`` axis (a pipeline's: each of its positions computes other values)."""
+    axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1 and a not in exclude]
     out: set[Sharding] = set()
     for dims in itertools.product(range(len(shape) + 1), repeat=len(axes)):
         per: list[tuple[str, ...]] = [() for _ in shape]
