@@ -11,6 +11,9 @@ gradient buckets, saving the output allocation and copy of ``all_reduce``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +42,31 @@ def mesh_of(key: str) -> Mesh:
             f"collective names mesh {key!r}, which this process has not built.",
             "build the Mesh in this process before running a program that uses it.",
         ) from None
+
+
+_FAKE_RANK: contextvars.ContextVar[int | None] = contextvars.ContextVar("shardspec_fake_rank", default=None)
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int) -> Iterator[None]:
+    """Shape propagation of ``rank``'s own program: the fake kernels of the ops whose result is
+    this rank's block (local_slice, reduce_scatter, all_to_all) give that block's size, so an
+    uneven layout's shorter block propagates. Outside it they give block 0's, the largest."""
+    token = _FAKE_RANK.set(rank)
+    try:
+        yield
+    finally:
+        _FAKE_RANK.reset(token)
+
+
+def _block(n: int, mesh: str, axis: str) -> int:
+    """The fake result's length along a dim of ``n`` split over ``axis`` (see ``fake_rank``)."""
+    m, axes = mesh_of(mesh), _axes(axis)
+    rank = _FAKE_RANK.get()
+    if rank is None or not 0 <= rank < m.size:
+        return -(-n // m.axis_size(axes))
+    start, stop = chunk_bounds(n, m.axis_size(axes), m.axis_index(rank, axes))
+    return stop - start
 
 
 def _axes(axis: str) -> tuple[str, ...]:
@@ -106,7 +134,7 @@ def _(
     x: torch.Tensor, *, dim: int, axis: str, mesh: str, op: str = "sum", async_op: bool = False
 ) -> torch.Tensor:
     shape = list(x.shape)
-    shape[dim] = -(-shape[dim] // mesh_of(mesh).axis_size(_axes(axis)))  # block 0, the largest
+    shape[dim] = _block(shape[dim], mesh, axis)
     return x.new_empty(shape)
 
 
@@ -139,7 +167,7 @@ def _(
 ) -> torch.Tensor:
     n = mesh_of(mesh).axis_size(_axes(axis))
     shape = list(x.shape)
-    shape[split_dim] = -(-shape[split_dim] // n)
+    shape[split_dim] = _block(shape[split_dim], mesh, axis)
     shape[concat_dim] = size if size >= 0 else shape[concat_dim] * n
     return x.new_empty(shape)
 
@@ -224,7 +252,7 @@ def local_slice(x: torch.Tensor, *, dim: int, axis: str, mesh: str) -> torch.Ten
 @local_slice.register_fake
 def _(x: torch.Tensor, *, dim: int, axis: str, mesh: str) -> torch.Tensor:
     shape = list(x.shape)
-    shape[dim] = -(-shape[dim] // mesh_of(mesh).axis_size(_axes(axis)))
+    shape[dim] = _block(shape[dim], mesh, axis)
     return x.new_empty(shape)
 
 

@@ -373,3 +373,31 @@ def test_error_constrain_over_the_pipeline_axis_names_the_constrain():
         ShardingError, match=r"constrain\(\.\.\., P\('pp'\)\) at .*splits over the pipeline axis 'pp'"
     ):
         run(p, x, y)
+
+
+@pytest.mark.parametrize(
+    ("shape", "hidden", "batch", "zero3"),
+    [({"pp": 2, "dp": 2}, 16, 6, False), ({"pp": 2, "tp": 4}, 6, 8, False), ({"pp": 2, "dp": 4}, 6, 8, True)],
+)
+def test_uneven_blocks_pipeline(shape, hidden, batch, zero3):
+    """A batch, a Megatron hidden dim or ZeRO-3 rows split unevenly: each rank's stage program
+    is shaped by its own block (it was block 0's, so a shorter rank's matmul did not propagate)."""
+    params = pm.init(2, D, hidden, CLASSES)
+    x, y = pm.data(batch, D, CLASSES)
+    if zero3:
+        ps = optree.tree_map(lambda _: P("dp"), params)
+    else:
+        ps = pm.specs(params, "tp" in shape, False, OPT)[0]
+    bs = P("dp") if "dp" in shape else P()
+
+    def step(p, x, y):
+        return shardspec.value_and_grad(pm.loss_fn, microbatches=2)(p, x, y)
+
+    run = sharded(
+        step,
+        mesh=Mesh(shape, simulate=True),
+        in_specs=(ps, bs, bs),
+        out_specs=(P(), ps),
+        pipeline=Pipeline("pp"),
+    )
+    _close(run(params, x, y), step(params, x, y))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from collectives.ops import mesh_key
+from collectives.ops import fake_rank, mesh_key
 from compiler.passes.graph import annotate
 from compiler.pipeline.boundary import BOUNDARY
 from compiler.pipeline.check import check_schedule
@@ -136,9 +136,10 @@ def plan_pipeline(
         q = mesh.axis_index(r, pipeline.axis)
         k = (id(programs[r]), q)
         if k not in done:
-            annotate(programs[r], local_inputs[r])
-            split = split_program(programs[r], stages, lists, q, pipeline.axis, key)
-            done[k] = replace(split, module=_optimized(split.module, local_inputs[r], passes))
+            with fake_rank(r):  # an uneven block's shapes are this rank's own (recv sizes, passes)
+                annotate(programs[r], local_inputs[r])
+                split = split_program(programs[r], stages, lists, q, pipeline.axis, key)
+                done[k] = replace(split, module=_optimized(split.module, local_inputs[r], passes))
         per_rank.append(done[k])
     return PipelinePlan(pipeline, stages, lists, tuple(per_rank))
 
