@@ -97,7 +97,8 @@ def check_not_dtensor(fn: Any, args: tuple[Any, ...], mesh: Mesh) -> None:
                 f"{where} is a DTensor (global shape {tuple(x.shape)}, placements "
                 f"{tuple(x.placements)}), but the step's mesh {mesh.describe()} is simulated: it takes "
                 "and returns ordinary global tensors.",
-                f"pass {where}.full_tensor(), or use a real Mesh (simulate=False) under torchrun.",
+                f"pass shardspec.to_global({where}) (the global value), or use a real Mesh "
+                "(simulate=False) under torchrun.",
             )
 
 
@@ -117,7 +118,8 @@ def check_dtensor_mesh(x: Any, mesh: Mesh, path: str) -> None:
             f"{path} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
             f"{theirs.mesh_dim_names}, but the step's mesh {mesh.describe()} lays ranks out as "
             f"{ours.mesh.tolist()}: its blocks would be read as other ranks' blocks.",
-            f"build it on the step's mesh (mesh.device_mesh), or pass {path}.full_tensor().",
+            f"build it on the step's mesh (mesh.device_mesh), or pass shardspec.to_global({path}) (the "
+            "global value on every rank; a pipelined step's results live on their stage's ranks only).",
         )
 
 

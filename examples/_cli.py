@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardspec import Mesh, ShardingError
+from shardspec import Mesh, ShardingError, to_global
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -100,19 +100,9 @@ def _shape(shape: Any) -> str:
 
 
 def full(x: Any) -> Any:
-    """A global tensor from a step's result: DTensors (real runs) are gathered. Every rank must call
-    it, in the same order: a pipelined step's result lives on the sub-mesh of the stage that
-    computed it (ranks outside hold nothing), so its first rank broadcasts the value to all."""
-    if not hasattr(x, "full_tensor"):
-        return x
-    import torch.distributed as dist
-
-    ranks = x.device_mesh.mesh.flatten().tolist()
-    if len(ranks) == dist.get_world_size():
-        return x.full_tensor()
-    value = x.full_tensor() if dist.get_rank() in ranks else torch.empty(x.shape, dtype=x.dtype)
-    dist.broadcast(value, src=ranks[0])
-    return value
+    """A global tensor from a step's result (``shardspec.to_global``: every rank calls it, in the
+    same order)."""
+    return to_global(x)
 
 
 def max_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

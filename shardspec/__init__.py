@@ -20,7 +20,7 @@ from shardspec.layout import (
     shard,
     unshard,
 )
-from shardspec.local import from_local
+from shardspec.local import from_local, to_global
 from shardspec.mesh import Mesh
 from shardspec.placements import placements_to_spec, spec_to_placements
 from shardspec.spec import P
@@ -82,6 +82,7 @@ __all__ = [
     "shard",
     "sharded",
     "spec_to_placements",
+    "to_global",
     "unshard",
     "value_and_grad",
     "visualize",

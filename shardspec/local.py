@@ -163,3 +163,27 @@ def _global_shape(i: int, where: str, spec: P, mesh: Mesh, everyone: list[list[B
                 "or split it over those axes too.",
             )
     return tuple(shape)
+
+
+def to_global(tree: Any) -> Any:
+    """``tree`` with each DTensor (a real mesh's step result) replaced by its global value, on
+    every rank; other leaves (a simulated mesh's results are global already) as they are.
+
+    A pipelined step's result lives on the sub-mesh of the stage that computed it, and ranks
+    outside it hold nothing (``full_tensor()`` gives them an empty tensor): its first rank
+    broadcasts the value to all. Every rank must call it, on the same tree (a collective)."""
+    return optree.tree_map(_to_global, tree, none_is_leaf=False)
+
+
+def _to_global(x: Any) -> Any:
+    if not hasattr(x, "full_tensor") or not hasattr(x, "device_mesh"):
+        return x
+    import torch.distributed as dist
+
+    ranks = x.device_mesh.mesh.flatten().tolist()
+    if len(ranks) == dist.get_world_size():
+        return x.full_tensor()
+    mine = dist.get_rank() in ranks
+    value = x.full_tensor() if mine else torch.empty(x.shape, dtype=x.dtype, device=x.to_local().device)
+    dist.broadcast(value, src=ranks[0])
+    return value

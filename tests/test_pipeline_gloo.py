@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import pipeline_model as pm
-from shardspec import Mesh, optim
+from shardspec import Mesh, optim, to_global
 from shardspec.layout import device_slices
 from shardspec.testing import run_distributed
 
@@ -50,7 +50,8 @@ def _two_steps(rank, world, shape, schedule, v, layers):
         local = leaf.to_local()
         if local.numel():  # a value of another stage is an empty block here
             held[str(path)] = local.clone()
-    return {"rank": rank, "held": held}
+    everywhere = dict(zip(*_flat(to_global(out)), strict=True))  # every value on every rank
+    return {"rank": rank, "held": held, "global": everywhere}
 
 
 @pytest.mark.parametrize(
@@ -86,6 +87,9 @@ def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
             seen.add(path)
         blocks = {p for p in r["held"] if "'blocks'" in p}
         assert blocks, f"stage {stage} holds no block parameters"
+        assert r["global"].keys() == reference.keys()
+        for path, value in r["global"].items():  # shardspec.to_global: the global value, on every rank
+            torch.testing.assert_close(value, reference[path], rtol=1e-5, atol=1e-6)
     assert seen == set(reference)  # every result is held by some stage
 
 
