@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -234,6 +235,13 @@ def compile_program(
         for r in range(mesh.size)
     ]
     if pipeline is not None:
+        if regions(traced.module):
+            warnings.warn(
+                "shardspec.remat is not applied inside a pipelined step's stage programs: their "
+                "activations are kept for backward (results are unchanged). Lower the activation "
+                "memory with more microbatches or more pipeline stages.",
+                stacklevel=2,
+            )
         plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs, passes)
         return Program(
             traced,
