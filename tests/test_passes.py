@@ -300,3 +300,35 @@ def test_norm_kernels_get_dense_operands_from_views_and_buckets():
     for fn, in_specs in ((a, (P(), P("dp"), P("dp"))), (b, (P(None, "dp"), P(), P("dp")))):
         step = sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=P())
         torch.testing.assert_close(step(x, w, bias), fn(x, w, bias))
+
+
+def test_bucketing_packs_values_unpacked_from_an_earlier_bucket():
+    """Megatron weights with the batch over dp, gradients returned replicated: a gather bucket
+    packs values an earlier bucket's split_with_sizes unpacked. Their getitems had no fake value
+    (the split's value is a list), and packing crashed (AttributeError)."""
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(8, 16, generator=g), "w2": torch.randn(16, 8, generator=g)}
+    x = torch.randn(8, 8, generator=g)
+
+    def loss_fn(p, x):
+        return ((x @ p["w1"]) @ p["w2"]).pow(2).sum()
+
+    step = sharded(
+        shardspec.value_and_grad(loss_fn),
+        mesh=mesh,
+        in_specs=({"w1": P(None, "tp"), "w2": P("tp", None)}, P("dp")),
+        out_specs=P(),
+    )
+    want = shardspec.value_and_grad(loss_fn)(params, x)
+    for a, b in zip(optree.tree_leaves(step(params, x)), optree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # split sums round differently
+    two = sharded(
+        lambda a, b: (a @ b, a @ b),
+        mesh=mesh,
+        in_specs=(P("dp", "tp"), P("tp")),
+        out_specs=(P(None, "tp"),) * 2,
+    )
+    a, b = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    for got in two(a, b):
+        torch.testing.assert_close(got, a @ b)

@@ -255,9 +255,12 @@ def _as_fake(v: Any, mode: Any, device: torch.device) -> Any:
 
 
 def _vals(args: Any) -> list[Any]:
+    """The fake values of ``args``' nodes, flattened (a multi-output op's value is a list: the
+    fake mode of a ``getitem`` of it is its tensors')."""
     if isinstance(args, (list, tuple)):
         return [v for a in args for v in _vals(a)]
-    return [val(args)]
+    v = val(args)
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def _map_vals(a: Any) -> Any:
