@@ -299,3 +299,22 @@ def test_donation_with_a_result_whose_blocks_differ_by_rank_computes_the_same():
         got = f(x.clone())
         assert got.shape == want.shape, (n_in, n_out, devices)
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_one_result_returned_twice_with_both_inputs_donated(as_dict):
+    """The second slot of a result returned twice pointed at the first slot's copy into the
+    donated buffer, a node the pass had not placed: KeyError. Both slots now hold that buffer."""
+
+    def fn(a, b):
+        c = a * 2 + b
+        return {"x": c, "y": c} if as_dict else (c, c)
+
+    specs = {"x": P("dp"), "y": P("dp")} if as_dict else (P("dp"), P("dp"))
+    f = sharded(
+        fn, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"), P("dp")), out_specs=specs, donate=(0, 1)
+    )
+    a, b = torch.arange(8.0), torch.arange(8.0) * 10
+    want = fn(a.clone(), b.clone())
+    for got, expected in zip(optree.tree_leaves(f(a, b)), optree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(got, expected)

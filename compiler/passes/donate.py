@@ -43,6 +43,9 @@ def donate_(
         want = v.meta.get("val")
         while v.target is aten.contiguous.default:  # copy_ densifies: copy as soon as the value exists
             v = v.args[0]
+        if v not in pos:  # a copy_ made above: this result is one already donated (``return c, c``)
+            results[i] = v
+            continue
         fits = [p for p in free if _same_layout(p.meta.get("val"), want)]
         if not fits:
             continue
