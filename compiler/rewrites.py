@@ -291,9 +291,19 @@ def _split_points(args: Any, kwargs: dict[str, Any]) -> Any:
     return args[1] if len(args) > 1 else None
 
 
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
+
+
 class Rewrites(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _BACKWARD:
+            raise fail(
+                f"backward() at {user_frame()}: a sharded step is a function of its inputs, and "
+                "its gradients are results it computes and returns, not .grad fields filled in.",
+                "compute them with loss, grads = shardspec.value_and_grad(loss_fn)(params, batch) "
+                "inside the step and return them (or apply the optimizer update there).",
+            )
         if func in _SDPA:
             return (sdpa_fused if _fused_kernel(args, kwargs) else sdpa_math)(*args, **kwargs)
         if func in _ONE_HOT:

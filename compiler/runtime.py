@@ -21,7 +21,7 @@ from compiler.lowered import Lowered
 from compiler.program import Program, broadcast_specs, compile_program
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
 from compiler.trace import arg_names, path_str
-from shardspec.errors import fail
+from shardspec.errors import fail, user_facing
 from shardspec.layout import shard, unshard
 from shardspec.mesh import Mesh
 
@@ -150,6 +150,7 @@ class ShardedFunction:
             stacklevel=4,
         )
 
+    @user_facing
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         self._positional(args, kwargs, ".lower")
         return Lowered(self._program(args)[0])
@@ -163,6 +164,7 @@ class ShardedFunction:
                 f"pass them positionally: {self.__name__}{method}({', '.join(names)}).",
             )
 
+    @user_facing
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._positional(args, kwargs)
         outer = _TRACING.get()

@@ -6,6 +6,13 @@ wrong (the argument path, the spec, the sizes) and a ``Fix:`` line that says wha
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class ShardingError(ValueError):
     """A sharding, mesh or spec the user supplied cannot be used as given. The message names the
@@ -21,3 +28,20 @@ class ShardingError(ValueError):
 def fail(what: str, fix: str) -> ShardingError:
     """Build a ShardingError whose message ends with a fix-it line."""
     return ShardingError(f"{what}\nFix: {fix}")
+
+
+def user_facing(fn: F) -> F:
+    """A ShardingError leaves ``fn`` without the library's own frames in its traceback (as JAX
+    filters its frames): the user's call line, then the message, which says all there is to act
+    on. ``SHARDSPEC_TRACEBACK=full`` keeps every frame (for reporting a bug in the library)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ShardingError as err:
+            if os.environ.get("SHARDSPEC_TRACEBACK") == "full":
+                raise
+            raise err.with_traceback(None) from err.__cause__
+
+    return run  # type: ignore[return-value]

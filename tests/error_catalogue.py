@@ -31,6 +31,12 @@ class Case:
     says: tuple[str, ...]  # fragments the message must contain (besides the "Fix:" line)
 
 
+def _backward_inside(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    loss = (x @ w).sum()
+    loss.backward()
+    return loss
+
+
 def _step(fn: Callable[..., Any], in_specs: Any, out_specs: Any, mesh: Mesh = SIM, **kw: Any) -> Any:
     return sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
 
@@ -345,6 +351,12 @@ CASES: tuple[Case, ...] = (
             P(),
         )(torch.ones(4, 2), X),
         ("aux['n'] is a int", "tensors only", "torch.as_tensor"),
+    ),
+    Case(
+        "autograd",
+        "loss.backward() inside the step",
+        lambda: _step(_backward_inside, (P(), P("dp")), P())(torch.ones(4, 2), X),
+        ("backward() at", "loss.backward()", "shardspec.value_and_grad(loss_fn)"),
     ),
     Case(
         "autograd",
