@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from collectives.ops import fake_rank
 from compiler.passes.bucketing import bucketing, bucketing_
 from compiler.passes.budget import check_budget, fewest_regathers
 from compiler.passes.cast import cast, cast_
@@ -208,9 +209,11 @@ def optimize_programs(
     # uneven layouts: fake collectives give every rank block 0's shape, so a rank whose block is
     # shorter would pack buckets by wrong sizes (even where propagation does not fail); never bucket
     opts = replace(opts, bucket=False)
-    return tuple(
-        optimize(p, i, opts, backward, regions, regather_only) for p, i in zip(programs, inputs, strict=True)
-    )
+    out = []
+    for rank, (p, i) in enumerate(zip(programs, inputs, strict=True)):
+        with fake_rank(rank):  # shapes propagate with this rank's own (shorter) blocks
+            out.append(optimize(p, i, opts, backward, regions, regather_only))
+    return tuple(out)
 
 
 def schedule_programs(
