@@ -305,10 +305,16 @@ def _reject_random_ops(module: torch.fx.GraphModule) -> None:
                 and "scaled_dot_product" not in str(n.target)
             )
         ):
+            op = n.meta.get("original_aten") or n.target  # bernoulli, not the rand it becomes
             raise fail(
-                f"{n.target} at {source_of(n) or n.name}: random numbers inside a sharded step "
+                f"{op} at {source_of(n) or n.name}: random numbers inside a sharded step "
                 "would differ with the layout (each device would draw its own).",
-                "use dropout, torch.rand/randn or rand_like/randn_like without a generator (drawn "
+                (
+                    "write bernoulli(p) as (torch.rand_like(p) < p).to(p.dtype); in general, "
+                    if "bernoulli" in str(op)
+                    else ""
+                )
+                + "use dropout, torch.rand/randn or rand_like/randn_like without a generator (drawn "
                 "counter-based inside a step, the same on every mesh: shardspec.random), or draw the "
                 "tensor outside the step and pass it in as an argument.",
             )

@@ -315,6 +315,12 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "purity",
+        "torch.bernoulli inside the step",
+        lambda: _step(lambda x: torch.bernoulli(torch.sigmoid(x)), (P("dp"),), P("dp"))(X),
+        ("aten.bernoulli", "(torch.rand_like(p) < p).to(p.dtype)"),
+    ),
+    Case(
+        "purity",
         ".item() inside the step",
         lambda: _step(_item, (P("dp"),), P("dp"))(X),
         (".item()", "x.sum().item()", "keep it a tensor"),
