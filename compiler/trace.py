@@ -366,17 +366,19 @@ class _FindMutation(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
+        written = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if written is not None and id(written) not in self.targets and written._is_view():
+            written = written._base  # a write through a view (x[0].add_(1)) writes the argument
         if (
             self.found is None
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and id(args[0]) in self.targets
+            and written is not None
+            and id(written) in self.targets
             and (
                 (name.endswith("_") and not name.endswith("__"))
                 or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
             )
         ):
-            self.found = (self.targets[id(args[0])], user_frame(None))
+            self.found = (self.targets[id(written)], user_frame(None))
         return func(*args, **(kwargs or {}))
 
 

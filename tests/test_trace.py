@@ -84,6 +84,16 @@ def test_argument_mutation_names_the_argument_and_line():
     assert 'params["w1"].add_(1.0)  # mutates the caller\'s weight' in msg
 
 
+def test_mutation_through_a_view_names_the_line():
+    def through_view(params, x):
+        params["w1"][0].zero_()  # writes the caller's weight through a view
+        return x.sum()
+
+    msg = _msg(through_view, (P0, X))
+    assert "params['w1'] is modified in place" in msg
+    assert "params[\"w1\"][0].zero_()  # writes the caller's weight through a view" in msg
+
+
 def test_non_tensor_leaf_and_result():
     assert "params['w1']: a leaf of type object" in _msg(lambda params: params["w1"], ({"w1": object()},))
     assert "result[1]: the step returned a float" in _msg(lambda x: (x, 1.5), (X,))
