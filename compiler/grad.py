@@ -189,7 +189,9 @@ def _split(arg: Any, m: int, position: int) -> list[Any]:
                 raise fail(
                     f"value_and_grad: argument {position} has a leaf of shape {tuple(leaf.shape)}"
                     f", whose dim 0 does not split into {m} microbatches.",
-                    f"use a batch size divisible by {m}.",
+                    f"use a batch size divisible by {m}; if argument {position} is not a batch (a table "
+                    "or weights used by every example), name the batch arguments with "
+                    "value_and_grad(..., batch_argnums=(...)) so it goes whole to every microbatch.",
                 )
             # microbatch k = rows k, k + m, k + 2m, ...: a batch split over devices along dim 0
             # splits every microbatch the same way, so no rows move between devices

@@ -430,3 +430,24 @@ def test_remat_inside_a_pipeline_warns_and_keeps_results():
     with pytest.warns(UserWarning, match="remat is not applied inside a pipelined step"):
         got = run(params, state, x, y)
     _close(got, make(pm.loss_fn)(params, state, x, y))
+
+
+def test_error_boundary_on_a_parameter_says_so():
+    def loss_fn(p, x, y):
+        w1 = shardspec.pipeline_boundary(p["w1"])  # on a parameter, not an activation
+        return torch.nn.functional.cross_entropy(torch.tanh(torch.tanh(x @ p["w0"]) @ w1) @ p["head"], y)
+
+    def step(p, x, y):
+        return shardspec.value_and_grad(loss_fn, microbatches=2)(p, x, y)
+
+    p = {"w0": torch.randn(8, 8), "w1": torch.randn(8, 8), "head": torch.randn(8, 4)}
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    run = sharded(
+        step,
+        mesh=Mesh({"pp": 2}, simulate=True),
+        in_specs=(P(), P(), P()),
+        out_specs=P(),
+        pipeline=Pipeline("pp"),
+    )
+    with pytest.raises(ShardingError, match=r"(?s)applied to an input of the step.*on the activation"):
+        run(p, x, y)

@@ -206,6 +206,14 @@ def assign(module: GraphModule, stages: int, microbatches: int, virtual: int = 1
         if mb >= 0 and n.target is not BOUNDARY:
             work[stage] += 1
     idle = [i for i, w in enumerate(work) if w == 0]
+    for n in seg:  # a boundary on an input (a parameter) cuts nothing: say so before "no work"
+        if idle and n.target is BOUNDARY and not n.kwargs.get("backward") and _is_input(n.args[0]):
+            raise fail(
+                f"pipeline_boundary at {source_of(n) or n.name} is applied to an input of the step "
+                f"(a parameter or batch argument), not to an activation: pipeline stage {idle[0]} has "
+                "no work.",
+                "put pipeline_boundary(h) on the activation passed from one layer to the next.",
+            )
     if idle:
         raise fail(
             f"pipeline stage {idle[0]} has no work: its boundaries enclose no computation (stage costs "
@@ -221,3 +229,13 @@ def assign(module: GraphModule, stages: int, microbatches: int, virtual: int = 1
         tuple(cost),
         tuple(stage_cost),
     )
+
+
+_PASS_THROUGH = {torch.ops.aten.view.default, torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
+def _is_input(x: object) -> bool:
+    """Whether ``x`` is a placeholder, or an alias of one (what a parameter is in the trace)."""
+    while isinstance(x, Node) and x.op == "call_function" and x.target in _PASS_THROUGH:
+        x = x.args[0]
+    return isinstance(x, Node) and x.op == "placeholder"
