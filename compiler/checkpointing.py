@@ -8,7 +8,8 @@ collectives inside it included (a ZeRO-3 parameter gather is issued again, and c
 before the first backward op that reads one of its values. Only the region's inputs (and what the
 policy saves) then live from forward to backward, as with ``jax.checkpoint`` and
 ``torch.utils.checkpoint``. The step computes the same values: recomputation runs the same ops on
-the same inputs (random ops are refused inside a sharded step, so nothing draws twice).
+the same inputs (random draws inside a step are counter-based: a recomputed dropout draws the
+same mask).
 
 Policies (which region values are kept instead of recomputed):
   - ``None``: nothing; every value backward reads is recomputed from the region's inputs.
@@ -40,6 +41,9 @@ MATMULS = frozenset(
         torch.ops.aten.bmm.default,
         torch.ops.shardspec.matmul.default,
     }
+)
+_VIEWS = frozenset(
+    {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
 )
 _POLICIES: dict[str, Callable[[Any], bool]] = {"save_matmuls": MATMULS.__contains__}
 _IDS = itertools.count(1)
@@ -79,6 +83,7 @@ def remat(fn: Callable[..., Any] | None = None, *, policy: Policy = None) -> Any
 def regions(module: torch.fx.GraphModule) -> dict[str, tuple[int, bool]]:
     """Traced node name -> (region id, kept by the policy) for each forward op inside a ``remat``."""
     out: dict[str, tuple[int, bool]] = {}
+    products: set[str] = set()  # kept matmuls and views of them
     for n in module.graph.nodes:
         custom = n.meta.get("custom") or {}
         if n.op != "call_function" or REGION not in custom or source_of(n).startswith("backward of "):
@@ -86,12 +91,13 @@ def regions(module: torch.fx.GraphModule) -> dict[str, tuple[int, bool]]:
         policy = custom.get(POLICY)
         keep = _POLICIES.get(policy, policy) if isinstance(policy, str) else policy
         saved = bool(keep(n.target)) if callable(keep) else False
-        # a bias added to a kept matmul is kept with it: the per-rank program fuses the two (addmm,
-        # named after the add), and keeping the matmul alone would then keep nothing
-        saved = saved or (
-            n.target is torch.ops.aten.add.Tensor
-            and any(out.get(a.name, (0, False))[1] and a.target in MATMULS for a in n.all_input_nodes)
-        )
+        # a bias added to a kept matmul (a linear layer's product viewed back to (..., out)
+        # first) is kept with it: the per-rank program fuses the two (addmm, named after the add),
+        # and keeping the matmul alone would then keep nothing
+        if n.target is torch.ops.aten.add.Tensor or n.target in _VIEWS:
+            saved = saved or any(a.name in products for a in n.all_input_nodes)
+        if saved and (n.target in MATMULS or n.target in _VIEWS):
+            products.add(n.name)
         out[n.name] = (int(custom[REGION]), saved)
     return out
 

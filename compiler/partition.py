@@ -223,6 +223,18 @@ class _Partitioner:
             return None
         product, bias = node.args[0], node.args[1]
         local_product = args[0]
+        view = None  # a linear layer on (..., in): the product viewed back to (..., out) first
+        if (
+            isinstance(product, Node)
+            and product.target in _VIEWS
+            and len(product.users) == 1
+            and isinstance(product.args[0], Node)
+            and isinstance(local_product, Node)
+            and local_product.target is aten.reshape.default
+            and local_product is self.env.get(product)
+            and not local_product.users
+        ):
+            view, product, local_product = local_product, product.args[0], local_product.args[0]
         if not (
             isinstance(product, Node)
             and isinstance(bias, Node)
@@ -231,7 +243,7 @@ class _Partitioner:
             and len(product.users) == 1
             and local_product is self.env.get(product)
             and local_product.target is aten.mm.default
-            and not local_product.users
+            and len(local_product.users) == (1 if view is not None else 0)
         ):
             return None
         out, b = product.meta["val"], bias.meta["val"]
@@ -239,11 +251,15 @@ class _Partitioner:
             b.dim() != 1
             or b.shape[0] != out.shape[1]
             or b.dtype != out.dtype
-            or node.meta["val"].shape != out.shape
+            or node.meta["val"].shape[-1] != out.shape[1]
+            or node.meta["val"].numel() != out.numel()
         ):
             return None
         a, w = local_product.args
         fused = self.graph.call_function(aten.addmm.default, (args[1], a, w))
+        if view is not None:
+            fused = self.graph.call_function(aten.reshape.default, (fused, *view.args[1:]))
+            self.graph.erase_node(view)
         self.graph.erase_node(local_product)
         return fused
 

@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 import torch
+import torch.fx.traceback as fxt
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -292,6 +293,33 @@ def _split_points(args: Any, kwargs: dict[str, Any]) -> Any:
 
 
 _BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
+_LINEAR = {F.linear, torch._C._nn.linear}
+
+
+def _linear_then_bias(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A linear layer on a batch of sequences as the product, its view back to (..., out), then
+    the bias add (marked as an addmm's: the per-rank program fuses it back into one addmm where no
+    collective comes between). torch folds the leading dims and adds the bias on the folded rows,
+    so a row-parallel layer's pending sum had to be reduced on those rows, where a sequence split
+    is no block: reduced after the view, it can be reduce-scattered over the sequence (sequence
+    parallelism) instead of all-reduced."""
+    from compiler.decompose import ADDMM_MARK
+
+    x, weight = args[0] if args else kwargs["input"], args[1] if len(args) > 1 else kwargs["weight"]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not (
+        isinstance(bias, torch.Tensor)
+        and isinstance(x, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and x.dim() > 2
+        and weight.dim() == 2
+        and bias.dim() == 1
+        and x.dtype == weight.dtype == bias.dtype
+    ):
+        return None
+    out = F.linear(x, weight)
+    with fxt.annotate({ADDMM_MARK: True}):
+        return out + bias
 
 
 class Rewrites(TorchFunctionMode):
@@ -310,6 +338,8 @@ class Rewrites(TorchFunctionMode):
             return one_hot(*args, **kwargs)
         if func in _LINEAR_CE:
             return linear_cross_entropy(*args, **kwargs)
+        if func in _LINEAR and (linear := _linear_then_bias(args, kwargs)) is not None:
+            return linear
         if func in _RRELU | _RRELU_INPLACE and (leaky := _rrelu_eval(func, args, kwargs)) is not None:
             return F.leaky_relu(leaky[0], leaky[1], inplace=leaky[2])
         if func in _TENSOR_SPLIT and isinstance(_split_points(args, kwargs), torch.Tensor):

@@ -113,6 +113,9 @@ def test_sequence_parallel_layer_norm_backward_reduce_scatters_once(model: CostM
     # ln_f's weight too (its input is sequence-split), not its bias (its gradient is replicated)
     assert len(grads) == 2 * norms + 1
     assert all(i.kind == "all_reduce" and i.axes == ("tp",) and i.shape == (d,) for i in grads), grads
-    assert sum(2 * (1 / 2) * d * 4 for _ in grads) == pytest.approx(
+    # so are the row-parallel layers' biases (added to the sequence-split output, as Megatron-SP)
+    biases = [i for i in describe(low) if re.search(r"gradient of .*(attn\.proj|mlp\.proj)\.bias", i.what)]
+    assert len(biases) == 2 * CFG.layers and all(i.axes == ("tp",) and i.shape == (d,) for i in biases)
+    assert sum(2 * (1 / 2) * d * 4 for _ in grads + biases) == pytest.approx(
         sum(r.bytes_per_rank for r in low.collectives() if r.shape == (d,) and r.axes == ("tp",))
     )

@@ -76,11 +76,18 @@ def attention(p: dict[str, torch.Tensor], pre: str, x: torch.Tensor, heads: int)
     return F.linear(y, p[pre + "proj.weight"], p[pre + "proj.bias"])
 
 
-def block(p: dict[str, torch.Tensor], pre: str, x: torch.Tensor, heads: int) -> torch.Tensor:
+def block(
+    p: dict[str, torch.Tensor], pre: str, x: torch.Tensor, heads: int, residual: P | None = None
+) -> torch.Tensor:
+    """One transformer block; ``residual``: the layout to pin the residual stream to after each
+    sum (sequence parallelism: split over the sequence, so the row-parallel outputs are
+    reduce-scattered into it and gathered again for the next layer norm's matmul)."""
     d = x.shape[-1]
     x = x + attention(
         p, pre + "attn.", F.layer_norm(x, (d,), p[pre + "ln1.weight"], p[pre + "ln1.bias"]), heads
     )
+    if residual is not None:
+        x = constrain(x, residual)
     h = F.layer_norm(x, (d,), p[pre + "ln2.weight"], p[pre + "ln2.bias"])
     h = F.gelu(F.linear(h, p[pre + "mlp.fc.weight"], p[pre + "mlp.fc.bias"]), approximate="tanh")
     return x + F.linear(h, p[pre + "mlp.proj.weight"], p[pre + "mlp.proj.bias"])
@@ -90,7 +97,7 @@ def forward(p: dict[str, torch.Tensor], tokens: torch.Tensor, cfg: Config) -> to
     s = tokens.shape[1]
     x = F.embedding(tokens, p["wte"]) + p["wpe"][:s]
     for i in range(cfg.layers):
-        x = pin(block(p, f"h.{i}.", pin(x, cfg), cfg.heads), cfg)
+        x = pin(block(p, f"h.{i}.", pin(x, cfg), cfg.heads, cfg.residual), cfg)
     x = F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
     return F.linear(x, p["head.weight"])
 
