@@ -315,6 +315,7 @@ def _linear_then_bias(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
         and weight.dim() == 2
         and bias.dim() == 1
         and x.dtype == weight.dtype == bias.dtype
+        and not torch.is_autocast_enabled(x.device.type)  # autocast casts the three together
     ):
         return None
     out = F.linear(x, weight)
