@@ -45,10 +45,15 @@ def visualize(shape: Sequence[int], mesh: Mesh, spec: P) -> str:
     return "\n".join(line.rstrip() for line in header + grid)
 
 
-def _holders(shape: tuple[int, ...], mesh: Mesh, spec: P) -> dict[tuple[tuple[int, int], ...], list[int]]:
-    out: dict[tuple[tuple[int, int], ...], list[int]] = {}
+Block = tuple[tuple[int, int, int], ...]  # per dim: start, stop, block index (empty blocks differ)
+
+
+def _holders(shape: tuple[int, ...], mesh: Mesh, spec: P) -> dict[Block, list[int]]:
+    out: dict[Block, list[int]] = {}
     for rank in range(mesh.size):
-        key = tuple((s.start, s.stop) for s in device_slices(shape, mesh, spec, rank))
+        slices = device_slices(shape, mesh, spec, rank)
+        index = [mesh.axis_index(rank, spec.axes_of(d)) if spec.axes_of(d) else 0 for d in range(len(shape))]
+        key = tuple((s.start, s.stop, i) for s, i in zip(slices, index, strict=True))
         out.setdefault(key, []).append(rank)
     return out
 
@@ -57,7 +62,7 @@ def _devs(devs: list[int]) -> str:
     return ",".join(map(str, devs))
 
 
-def _ranges(key: tuple[tuple[int, int], ...], dims: list[int]) -> str:
+def _ranges(key: Block, dims: list[int]) -> str:
     return "[" + ", ".join(f"{key[d][0]}:{key[d][1]}" for d in dims) + "]"
 
 
@@ -65,7 +70,7 @@ def _grid(
     shape: tuple[int, ...],
     mesh: Mesh,
     spec: P,
-    holders: dict[tuple[tuple[int, int], ...], list[int]],
+    holders: dict[Block, list[int]],
     rows_dim: int | None,
     cols_dim: int | None,
     show_size: bool,
@@ -81,14 +86,16 @@ def _grid(
             return ""
         return f"{b[0]}:{b[1]}" + (f" ({b[1] - b[0]})" if show_size else "")
 
-    def cell(rb: tuple[int, int], cb: tuple[int, int]) -> str:
+    def cell(ri: int, rb: tuple[int, int], ci: int, cb: tuple[int, int]) -> str:
         for key, devs in holders.items():
-            if (rows_dim is None or key[rows_dim] == rb) and (cols_dim is None or key[cols_dim] == cb):
+            if (rows_dim is None or key[rows_dim] == (*rb, ri)) and (
+                cols_dim is None or key[cols_dim] == (*cb, ci)
+            ):
                 return "dev " + _devs(devs)
         return "-"
 
     row_bounds, col_bounds = bounds(rows_dim), bounds(cols_dim)
-    cells = [[cell(rb, cb) for cb in col_bounds] for rb in row_bounds]
+    cells = [[cell(ri, rb, ci, cb) for ci, cb in enumerate(col_bounds)] for ri, rb in enumerate(row_bounds)]
     col_labels = [label(cols_dim, cb) for cb in col_bounds]
     widths = [max(len(col_labels[j]), *(len(r[j]) for r in cells)) for j in range(len(col_bounds))]
     row_labels = [label(rows_dim, rb) for rb in row_bounds]

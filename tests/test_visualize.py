@@ -27,3 +27,10 @@ def test_fully_replicated_and_listing_beyond_two_dims():
     text = visualize((2, 2, 2), mesh, P("a", "b", "c"))
     assert "[1:2, 0:1, 1:2] -> devices 5" in text
     assert text.count("-> devices") == 8
+
+
+def test_empty_blocks_each_name_their_own_device():
+    text = visualize((10,), Mesh({"dp": 8}, simulate=True), P("dp"))
+    for r in range(8):
+        assert f"dev {r} " in text
+    assert "dev 5,6,7" not in text
