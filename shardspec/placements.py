@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def spec_to_placements(
-    spec: P, mesh: Mesh, shape: Sequence[int] | None = None, *, name: str = "x"
+    spec: P, mesh: Mesh, shape: Sequence[int] | None = None, *, name: str = "spec_to_placements"
 ) -> tuple[Placement, ...]:
     """DTensor placements (one per mesh axis) equivalent to ``spec``.
 
@@ -63,7 +63,9 @@ def spec_to_placements(
     return tuple(placements)
 
 
-def placements_to_spec(placements: Sequence[Placement], mesh: Mesh, ndim: int, *, name: str = "x") -> P:
+def placements_to_spec(
+    placements: Sequence[Placement], mesh: Mesh, ndim: int, *, name: str = "placements_to_spec"
+) -> P:
     """The ``P`` equivalent to DTensor ``placements`` on ``mesh`` for a tensor of rank ``ndim``.
 
     Example::
