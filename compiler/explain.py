@@ -11,7 +11,9 @@ elements over ``n`` ranks splits them into ``n`` chunks (torch.chunk sizes) and 
 but one chunk twice (reduce-scatter, then all-gather), so it sends ``2 * (numel - smallest chunk)``
 elements: ``2 (n - 1) / n * S`` bytes when ``n`` divides ``numel`` and, e.g., 8 bytes (not 6) for a
 4-byte scalar over 4 ranks. All-gathers and reduce-scatters send ``(n - 1) * largest block``, as
-counted by the backends.
+counted by the backends. A bucket (several tensors in one launch) is counted as its one flat
+buffer; each member is shown with its share of that launch by size, in whole elements (so the
+members' figures may differ from the launch's total by a few elements).
 """
 
 from __future__ import annotations
@@ -256,8 +258,11 @@ def explain(lowered: Lowered, summary: bool = False) -> str:
     per_member = {}
     for launch, size in zip(launches, sizes, strict=True):
         total = sum(math.prod(c.shape) for c in launch) or 1
-        for c in launch:
-            per_member[id(c)] = size * math.prod(c.shape) / total
+        for c in launch:  # a bucket member's share of its launch, in whole elements
+            share = size * math.prod(c.shape) / total
+            per_member[id(c)] = (
+                round(share / c.dtype.itemsize) * c.dtype.itemsize if len(launch) > 1 else share
+            )
     member_bytes = [per_member[id(c)] for launch in launches for c in launch]
     for line, group in groups.items():
         lines.append("")
