@@ -118,7 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         pipeline = Pipeline("pp", args.schedule, v)
         say(f"pipeline over pp: schedule {args.schedule}, {args.microbatches} microbatches per step")
     step = sharded(train_step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, pipeline=pipeline)
-    say("parameter shardings (batch split over dp, Megatron-style tensor parallelism over tp):")
+    how = [
+        w
+        for a, w in (("dp", "batch split over dp"), ("tp", "Megatron-style tensor parallelism over tp"))
+        if a in args.mesh
+    ]
+    say(f"parameter shardings ({', '.join(how) or 'replicated'}):")
     say(_cli.spec_table(params, pspec, mesh))
     say()
 
