@@ -130,7 +130,9 @@ class _Namer:
         roots = self.roots(self.by_line.get(forward_line, []))
         for same in (_shape, _numel):
             found = [r for r in roots if same(r) == same(grad)]
-            if len(found) > 1 and consumer is not None:
+            # by size alone only where the consumer reads that argument too (the update does): an
+            # activation's gradient may have as many elements as a weight of its line
+            if consumer is not None and (len(found) > 1 or same is _numel):
                 found = [r for r in found if r in self.roots([consumer])]
             if len(found) == 1:
                 return self.paths[found[0]]

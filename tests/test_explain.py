@@ -110,3 +110,24 @@ def test_summary_has_one_line_per_kind_and_axes_per_source_line() -> None:
     for items in _groups(low.explain(summary=True)).values():
         kinds = [re.match(r"  (\S+ over \S+) x\d+", i).group(1) for i in items]  # type: ignore[union-attr]
         assert len(kinds) == len(set(kinds))
+
+
+def test_sequence_parallel_activation_gradients_are_not_named_as_weight_gradients():
+    """An activation's gradient with as many elements as a weight of its line ((8, 8, 16) and
+    the (64, 16) fc weight) was reported as that weight's gradient (ZeRO)."""
+    from examples.train_gpt import state_specs
+
+    axes = {"dp": 2, "tp": 2}
+    cfg = gpt.Config(layers=1, residual=P("dp", "tp"))
+    params = gpt.init(cfg)
+    ps = strategy_specs("tp-sp", params, axes)
+    ss = state_specs("tp-sp", ps, axes)
+    step = sharded(
+        make_step(cfg),
+        mesh=Mesh(axes, simulate=True),
+        in_specs=(ps, ss, P("dp"), P("dp")),
+        out_specs=(ps, ss, P()),
+    )
+    text = step.lower(params, OPT.init(params), *batch(0, cfg)).explain()
+    scatters = [line for line in text.splitlines() if "reduce_scatter over tp:" in line and "local (" in line]
+    assert len(scatters) == 4 and not any("gradient of params" in line for line in scatters)
