@@ -78,12 +78,13 @@ def plan_globally(
     if chosen is None:
         if not fits:
             raise _over_limit(model, _held(placeholders, greedy, mesh))
-        return greedy
+        return _kept(greedy, placeholders, free, mesh)
     result = _assemble(graph, greedy, outputs, options, choices, chosen, free)
     before = modeled_time(graph, greedy, mesh, model, regather).total_s if fits else float("inf")
     after = modeled_time(graph, result, mesh, model, regather).total_s
-    if not after < before * (1 - 1e-9):
-        return greedy
+    smaller = _held(placeholders, result, mesh) < _held(placeholders, greedy, mesh)
+    if not (after < before * (1 - 1e-9) or (free.inputs and smaller and after <= before * (1 + 1e-9))):
+        return _kept(greedy, placeholders, free, mesh)  # (a tie goes to the plan holding less)
     result.notes.append(
         f"global plan: modeled step {after * 1e3:.4g} ms against greedy propagation's {before * 1e3:.4g} ms"
     )
@@ -107,6 +108,19 @@ def plan_globally(
             text += f"; next best {a}: {t * 1e3:.4g} ms, {held_bytes(shape(n), _itemsize(n), a, mesh)} bytes"
         result.notes.append(text)
     return result
+
+
+def _kept(greedy: Propagation, placeholders: list[Node], free: Free, mesh: Mesh) -> Propagation:
+    """The greedy plan, with a note for each AUTO input saying it stayed as greedy placed it."""
+    for i in free.inputs[:8]:
+        n = placeholders[i]
+        s = greedy.value[n]
+        assert isinstance(s, Sharding)
+        greedy.notes.append(
+            f"AUTO {free.in_paths.get(i, n.name)}: chose {s} (no plan was modeled faster than greedy "
+            f"propagation's with it; {held_bytes(shape(n), _itemsize(n), s, mesh)} bytes per device)"
+        )
+    return greedy
 
 
 def _over_limit(model: CostModel, held: int) -> Exception:
@@ -188,7 +202,7 @@ def _build(
     xs: list[int | None]
     for n, s in zip(placeholders, inputs, strict=True):
         if n in choices:
-            picks = problem.add_choice(n, len(choices[n]))
+            picks = problem.add_choice(n, [held_bytes(shape(n), _itemsize(n), c, mesh) for c in choices[n]])
             states[n] = list(zip(choices[n], picks, strict=True))
         else:
             states[n] = [(s, None)]

@@ -76,9 +76,12 @@ class Problem:
         self.follows[node] = producer
         return producer
 
-    def add_choice(self, node: Node, count: int) -> list[int]:
-        """``count`` layouts of an AUTO input, one to be chosen (free in itself)."""
-        xs = [self.var(0.0) for _ in range(count)]
+    def add_choice(self, node: Node, held: list[int]) -> list[int]:
+        """The layouts of an AUTO input (the bytes a device holds of each), one to be chosen: free
+        in itself but for a tie-break toward holding less, above greedy's (per op) and far below
+        any real cost (a byte's transfer)."""
+        scale = 1e-6 * self.model.latency_s / max(max(held, default=1), 1)
+        xs = [self.var(scale * b) for b in held]
         self.rows.append((dict.fromkeys(xs, 1.0), 1.0, 1.0))
         self.choice[node] = xs
         return xs
