@@ -289,3 +289,9 @@ def _as_strided_scatter(
 
 _EXTRA_DECOMPOSITIONS[aten.as_strided.default] = _as_strided
 _EXTRA_DECOMPOSITIONS[aten.as_strided_scatter.default] = _as_strided_scatter
+# a shape question (torch.func.jvp asks it of each tangent): answered at trace time from the global
+# shapes, so no node asks it of a rank's block
+_EXTRA_DECOMPOSITIONS[aten.is_same_size.default] = lambda a, b: tuple(a.shape) == tuple(b.shape)
+_EXTRA_DECOMPOSITIONS[aten._has_same_storage_numel.default] = lambda a, b: (
+    a.untyped_storage().nbytes() // a.element_size() == b.untyped_storage().nbytes() // b.element_size()
+)

@@ -318,3 +318,19 @@ def test_backward_of_slice_writes_runs_on_a_split_batch(write: str):
     want, want_grad = torch.func.grad_and_value(loss)(w, x)[::-1]
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(grad, want_grad)
+
+
+@pytest.mark.parametrize("mesh_axes", [{"dp": 2}, {"dp": 2, "tp": 2}])
+def test_torch_func_jvp_inside_a_step(mesh_axes):
+    """Forward-mode AD asks is_same_size / _has_same_storage_numel of each tangent: shape
+    questions answered when tracing (they had no rule, so jvp needed unsupported='replicate')."""
+
+    def f(w: torch.Tensor, x: torch.Tensor) -> Any:
+        return torch.func.jvp(lambda w: (x @ w).tanh().sum(), (w,), (torch.ones_like(w),))
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 6, generator=g), torch.randn(8, 4, generator=g)
+    wspec = P(None, "tp") if "tp" in mesh_axes else P()
+    step = sharded(f, mesh=Mesh(mesh_axes, simulate=True), in_specs=(wspec, P("dp")), out_specs=P())
+    for got, want in zip(step(w, x), f(w, x), strict=True):
+        torch.testing.assert_close(got, want)
