@@ -91,7 +91,7 @@ def test_mutation_through_a_view_names_the_line():
 
     msg = _msg(through_view, (P0, X))
     assert "params['w1'] is modified in place" in msg
-    assert "params[\"w1\"][0].zero_()  # writes the caller's weight through a view" in msg
+    assert 'params["w1"][0].zero_()  # writes the caller\'s weight through a view' in msg
 
 
 def test_non_tensor_leaf_and_result():
