@@ -92,7 +92,7 @@ def plan_globally(
         n = placeholders[i]
         picked = chosen[n]
         problem.rows.append(({problem.choice[n][picked]: 1.0}, 0.0, 0.0))
-        other = problem.solve(time_limit_s)
+        other = problem.solve(min(time_limit_s, 2.0))  # for explain() only: a short solve
         problem.rows.pop()
         s = result.value[n]
         assert isinstance(s, Sharding)
