@@ -130,10 +130,15 @@ class _Namer:
         roots = self.roots(self.by_line.get(forward_line, []))
         for same in (_shape, _numel):
             found = [r for r in roots if same(r) == same(grad)]
-            # by size alone only where the consumer reads that argument too (the update does): an
-            # activation's gradient may have as many elements as a weight of its line
+            # by size alone only where the consumer reads that argument too (the update does, past
+            # the views reshaping the gradient to the parameter's shape): an activation's gradient
+            # may have as many elements as a weight of its line
             if consumer is not None and (len(found) > 1 or same is _numel):
-                found = [r for r in found if r in self.roots([consumer])]
+                reader = consumer
+                while reader.target in _RESHAPES and len(reader.users) == 1:
+                    reader = next(iter(reader.users))
+                if reader.op != "output":  # (a gradient the step returns: as it is)
+                    found = [r for r in found if r in self.roots([reader])]
             if len(found) == 1:
                 return self.paths[found[0]]
         return None
@@ -145,6 +150,16 @@ class _Namer:
         name = str(n.target).split(".")
         base = (name[1] if name[0] in ("aten", "shardspec") and len(name) > 1 else name[0]).lstrip("_")
         return _USER_OPS.get(base, base)
+
+
+_RESHAPES = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims,
+    torch.ops.aten.unsqueeze.default,
+}
 
 
 def _shape(n: Node) -> tuple[int, ...] | None:

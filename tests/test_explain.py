@@ -131,3 +131,21 @@ def test_sequence_parallel_activation_gradients_are_not_named_as_weight_gradient
     text = step.lower(params, OPT.init(params), *batch(0, cfg)).explain()
     scatters = [line for line in text.splitlines() if "reduce_scatter over tp:" in line and "local (" in line]
     assert len(scatters) == 4 and not any("gradient of params" in line for line in scatters)
+
+
+def test_a_bias_gradient_reshaped_to_the_parameter_is_named_as_its_gradient():
+    """The bias gradient is a keepdim sum (1, 12) viewed to (12,): matched by its size, through
+    the view, it is p['b']'s gradient (the activation rule above must not hide it)."""
+    import shardspec
+
+    p, x = {"w": torch.randn(12, 8), "b": torch.randn(12)}, torch.randn(64, 8)
+
+    def step(p, x):
+        return shardspec.value_and_grad(
+            lambda p, x: torch.nn.functional.linear(x, p["w"], p["b"]).pow(2).mean()
+        )(p, x)
+
+    spec = {"w": P("dp"), "b": P("dp")}
+    s = sharded(step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(spec, P("dp")), out_specs=(P(), spec))
+    text = s.lower(p, x).explain()
+    assert "reduce_scatter over dp: gradient of p['b']" in text
