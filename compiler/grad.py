@@ -60,6 +60,8 @@ def value_and_grad(
         )
     name = getattr(fn, "__name__", "the function")
 
+    aux_trees: list[Any] = []
+
     def scalar(*args: Any) -> Any:
         out = fn(*args)
         if has_aux:
@@ -71,7 +73,9 @@ def value_and_grad(
                 )
             _check_loss(name, out[0])
             _check_aux(name, out[1])
-            return out
+            leaves, tree = optree.tree_flatten(out[1], none_is_leaf=False)
+            aux_trees.append(tree)  # torch.func takes tensors only: None leaves come back after
+            return out[0], tuple(leaves)
         _check_loss(name, out)
         return out
 
@@ -84,7 +88,7 @@ def value_and_grad(
         _check_differentiable(nums, argnums, args)
         if microbatches is None or microbatches == 1:
             grads, value = _labelled(grad_fn, 0, call, args)
-            return value, grads
+            return (_with_aux(value, aux_trees) if has_aux else value), grads
         if not isinstance(microbatches, int) or microbatches < 1:
             raise fail(
                 f"value_and_grad(microbatches={microbatches!r}) must be a positive int.",
@@ -107,7 +111,7 @@ def value_and_grad(
             grads, value = _labelled(grad_fn, k, call, tuple(c[k] for c in chunks))
             loss = value[0] if has_aux else value
             if has_aux:
-                auxes.append(value[1])
+                auxes.append(_with_aux(value, aux_trees)[1])
             total_loss = loss if total_loss is None else total_loss + loss
             total_grads = grads if total_grads is None else optree.tree_map(torch.add, total_grads, grads)
         assert total_loss is not None and total_grads is not None
@@ -145,6 +149,11 @@ def _check_aux(name: str, aux: Any) -> None:
                 "holds tensors only (as torch.func.grad's does).",
                 "return tensors in aux (torch.as_tensor(x)), or compute that value outside value_and_grad.",
             )
+
+
+def _with_aux(value: tuple[Any, tuple[torch.Tensor, ...]], trees: list[Any]) -> tuple[Any, Any]:
+    """(loss, aux) with aux rebuilt from the tensors torch.func returned and its tree."""
+    return value[0], optree.tree_unflatten(trees.pop(), list(value[1]))
 
 
 def _stack_aux(auxes: list[Any]) -> Any:

@@ -93,3 +93,27 @@ def test_python_number_aux_is_an_error():
         vg = shardspec.value_and_grad(loss_fn, has_aux=True, microbatches=mb)
         with pytest.raises(ShardingError, match=r"(?s)aux\['n'\] is a int.*as_tensor"):
             vg(params, x, y)
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_none_in_aux_comes_back_as_none(microbatches):
+    """torch.func takes tensors only: None leaves are set aside and put back (as JAX allows)."""
+
+    def loss_fn(w, x):
+        y = x @ w.t()
+        return y.pow(2).mean(), {"max": y.max().detach(), "extra": None}
+
+    def step(w, x):
+        return shardspec.value_and_grad(loss_fn, has_aux=True, microbatches=microbatches)(w, x)
+
+    w, x = torch.randn(3, 4), torch.randn(8, 4)
+    run = sharded(
+        step,
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(P(), P("dp")),
+        out_specs=((P(), {"max": P(), "extra": None}), P()),
+    )
+    (loss, aux), grad = run(w, x)
+    (want_loss, want_aux), want_grad = step(w, x)
+    assert aux["extra"] is None and want_aux["extra"] is None
+    _close((loss, aux["max"], grad), (want_loss, want_aux["max"], want_grad))
