@@ -310,7 +310,8 @@ def _reject_random_ops(module: torch.fx.GraphModule) -> None:
                 f"{op} at {source_of(n) or n.name}: random numbers inside a sharded step "
                 "would differ with the layout (each device would draw its own).",
                 (
-                    "write bernoulli(p) as (torch.rand_like(p) < p).to(p.dtype); in general, "
+                    "write torch.bernoulli(probs) as (torch.rand_like(probs) < probs).to(probs.dtype) and "
+                    "torch.bernoulli(x, p) as (torch.rand_like(x) < p).to(x.dtype); in general, "
                     if "bernoulli" in str(op)
                     else ""
                 )
@@ -363,6 +364,7 @@ class _FindMutation(TorchFunctionMode):
         super().__init__()
         self.targets = targets
         self.found: tuple[str, str] | None = None
+        self.keep: list[torch.Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
@@ -379,7 +381,11 @@ class _FindMutation(TorchFunctionMode):
             )
         ):
             self.found = (self.targets[id(written)], user_frame(None))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if name in ("detach", "alias") and written is not None and id(written) in self.targets:
+            self.targets[id(out)] = self.targets[id(written)]  # the same storage, not a view
+            self.keep.append(out)  # (its id stays its own while the step runs)
+        return out
 
 
 def _reject_argument_mutation(

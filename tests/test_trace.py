@@ -94,6 +94,15 @@ def test_mutation_through_a_view_names_the_line():
     assert 'params["w1"][0].zero_()  # writes the caller\'s weight through a view' in msg
 
 
+def test_mutation_through_detach_names_the_line():
+    def through_detach(params, x):
+        params["w1"].detach().mul_(2)  # detach shares the storage
+        return x.sum()
+
+    msg = _msg(through_detach, (P0, X))
+    assert 'params["w1"].detach().mul_(2)  # detach shares the storage' in msg
+
+
 def test_non_tensor_leaf_and_result():
     assert "params['w1']: a leaf of type object" in _msg(lambda params: params["w1"], ({"w1": object()},))
     assert "result[1]: the step returned a float" in _msg(lambda x: (x, 1.5), (X,))
