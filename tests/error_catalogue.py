@@ -317,7 +317,7 @@ CASES: tuple[Case, ...] = (
         "purity",
         "torch.bernoulli inside the step",
         lambda: _step(lambda x: torch.bernoulli(torch.sigmoid(x)), (P("dp"),), P("dp"))(X),
-        ("aten.bernoulli", "(torch.rand_like(p) < p).to(p.dtype)"),
+        ("aten.bernoulli", "(torch.rand_like(probs) < probs).to(probs.dtype)", "(torch.rand_like(x) < p)"),
     ),
     Case(
         "purity",
