@@ -22,8 +22,9 @@ from compiler.program import Program, broadcast_specs, compile_program
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
 from compiler.trace import arg_names, path_str
 from shardspec.errors import fail, user_facing
-from shardspec.layout import shard, unshard
+from shardspec.layout import check_spec, shard, unshard
 from shardspec.mesh import Mesh
+from shardspec.spec import P
 
 # The mesh of the step being traced right now: a sharded step called inside it is inlined.
 _TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardspec_tracing", default=None)
@@ -245,7 +246,15 @@ class ShardedFunction:
             )
         names = arg_names(self.fn, len(args))
         specs = broadcast_specs(self.in_specs, args, "in_specs", names)
-        leaves, tree = optree.tree_flatten(cast(Any, args), none_is_leaf=False)
+        paths, leaves, tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+        for path, x, s in zip(paths, leaves, specs, strict=True):  # named as this step's, not a constrain
+            if isinstance(x, torch.Tensor) and isinstance(s, P):
+                check_spec(
+                    tuple(x.shape),
+                    self.mesh,
+                    s,
+                    name=f"{self.__name__}: {path_str(names[path[0]], path[1:])}",
+                )
         pinned = [
             constrain(x, s) if isinstance(x, torch.Tensor) else x for x, s in zip(leaves, specs, strict=True)
         ]

@@ -141,3 +141,15 @@ def test_microbatches_must_divide_the_batch():
         lambda: sharded(step, mesh=MESH, in_specs=(P(), P("dp")), out_specs=(P(), P()))(torch.randn(4, 2), X)
     )
     assert "does not split into 3 microbatches" in msg and "(4, 4)" in msg
+
+
+def test_nested_step_with_a_bad_in_spec_names_that_step_not_a_constrain():
+    mesh = Mesh({"dp": 2}, simulate=True)
+
+    def inner_step(x):
+        return x * 2
+
+    inner = sharded(inner_step, mesh=mesh, in_specs=(P("tp"),), out_specs=P("dp"))
+    outer = sharded(lambda x: inner(x) + 1, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(ShardingError, match=r"^inner_step: x: spec P\('tp'\) names mesh axis 'tp'"):
+        outer(torch.randn(4, 3))
