@@ -160,6 +160,9 @@ def _build(
             for n in seg:
                 env[n] = graph.node_copy(n, lambda x: env[x])
             continue
+        for n in seg:  # the region's constants, read by the driver and passed in
+            if n.op == "get_attr":
+                env[n] = graph.node_copy(n, lambda x: env[x])
         name = f"region_{i}"
         driver_mods[name] = compiled
         call = graph.call_module(name, tuple(env[x] for x in region.inputs))
@@ -224,8 +227,10 @@ class _Region:
     """A run of compute ops: its inputs (values from before it) and outputs (values used after it)."""
 
     def __init__(self, seg: list[Node]) -> None:
-        inside = set(seg)
-        self.nodes = seg
+        # a constant (get_attr) is an input, not part of the code: a region is reused by what it
+        # computes (another layer's, another program's), and a constant baked in would come along
+        self.nodes = [n for n in seg if n.op != "get_attr"]
+        inside = set(self.nodes)
         self.inputs: list[Node] = []
         seen: set[Node] = set()
         for n in seg:

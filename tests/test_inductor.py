@@ -211,3 +211,18 @@ def test_counter_based_random_ops_compile_and_draw_the_same_bits():
     assert any(
         isinstance(m, inductor._Compiled) for m in inductor._COMPILED[program.programs[0]].driver.children()
     )
+
+
+def test_a_region_with_a_constant_is_not_reused_for_another_constant():
+    """Compiled regions are shared by what they compute; a tensor constant (a Python value the
+    step turned into a tensor) was baked into the code by its attribute name, so a program with
+    another value reused it: a changed hyperparameter silently kept its old value."""
+    mesh = Mesh({"dp": 2}, simulate=True)
+
+    def f(x, s):
+        return ((x * torch.tensor(s)).sin() + 1.0).cos() * 2.0
+
+    g = sharded(f, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"), backend="inductor")
+    x = torch.randn(4, 3)
+    for s in (0.5, 0.5, 2.0, 2.0):  # each value's second call runs the compiled code
+        torch.testing.assert_close(g(x, s), f(x, s))
