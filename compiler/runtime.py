@@ -3,6 +3,7 @@ DTensors or full tensors and return DTensors. Programs are cached per argument s
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from collections.abc import Callable
@@ -181,7 +182,11 @@ class ShardedFunction:
                 f"{self.__name__} was called with {len(args)}.",
                 "donate positions of the step's own positional arguments.",
             )
-        program, key = self._program(args)
+        try:
+            program, key = self._program(args)
+        except Exception:
+            self._tell_other_ranks_this_one_failed()
+            raise
         tensors = [leaves[i] for i in program.traced.tensor_positions]
         if program.donated:
             _check_donated_alone(tensors, program)
@@ -235,6 +240,18 @@ class ShardedFunction:
             finally:  # a program with no collective, or one that raised before its first
                 pass_gate()
         return optree.tree_unflatten(program.traced.out_tree, outs)
+
+    def _tell_other_ranks_this_one_failed(self) -> None:
+        """A rank whose compile raised (a spec or argument only it has wrong) still takes part in the
+        call's rank-agreement exchange, as a call that differs: the others then fail at once with
+        "called with different arguments" instead of waiting out the timeout for it. Its own error
+        is the one it raises (where every rank failed alike, none differs and each raises its own)."""
+        if self.mesh.simulated or self.mesh.size == 1 or _TRACING.get() is not None:
+            return
+        with contextlib.suppress(Exception):  # the others differ (they called as usual), or never came
+            inputs.start_same_call(
+                ("this rank could not compile the call",), self._identity, -1, self.__name__, self.timeout
+            )()
 
     def _inline(self, outer: Mesh, args: tuple[Any, ...]) -> Any:
         """A sharded step called while another is traced: its specs become constraints, like nested jit."""

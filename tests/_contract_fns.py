@@ -83,6 +83,15 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     # one rank alone changes a shape on a later call
     x = full_x if rank == 0 else torch.cat([full_x, full_x])
     out["shape"] = _message(lambda: step(w, x, 1.0))
+    # rank 1 alone passes a tree its in_specs do not match: it raises when compiling, and rank 0 is
+    # told at once (within the timeout's fraction), not after waiting the whole timeout for it
+    tree = sharded(
+        lambda p, x: x @ p["w"], mesh=mesh, in_specs=({"w": P()}, P("dp")), out_specs=P("dp"), timeout=60
+    )
+    p = {"w": torch.ones(4, 4)} if rank == 0 else {"w": torch.ones(4, 4), "extra": torch.zeros(1)}
+    t0 = time.monotonic()
+    out["tree"] = _message(lambda: tree(p, full_x))
+    out["tree_s"] = time.monotonic() - t0
     # rank 1 never calls: rank 0 gets an error after the timeout, not a hang
     lonely = sharded(loss, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=P(), timeout=2.0)
     if rank == 0:
