@@ -215,7 +215,30 @@ def _segments(gm: GraphModule) -> list[list[Node]]:
             run.append(n)
     if run:
         out.append(run)
-    return out
+    return _with_their_getitems(out)
+
+
+def _with_their_getitems(segments: list[list[Node]]) -> list[list[Node]]:
+    """Each multi-output op's ``getitem``s in the op's own run: one that fell after a cut (a layer
+    norm's mean read only by a later backward) left the run returning the op's tuple, which a
+    compiled region cannot, and the later run starting from that tuple. A getitem is pure and
+    reads only its op, so it may run right after it."""
+    where = {n: i for i, seg in enumerate(segments) for n in seg}
+    moved: set[Node] = set()
+    for i, seg in enumerate(segments):
+        if len(seg) == 1 and _is_cut(seg[0]):
+            continue
+        extra = [
+            u
+            for n in seg
+            if isinstance(n.meta.get("val"), (tuple, list))
+            for u in n.users
+            if u.target is operator.getitem and where.get(u, i) != i and u not in moved
+        ]
+        moved.update(extra)
+        seg.extend(extra)
+    out = [[n for n in seg if n not in moved or where[n] != i] for i, seg in enumerate(segments)]
+    return [seg for seg in out if seg]
 
 
 def _compilable(seg: list[Node]) -> bool:

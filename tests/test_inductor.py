@@ -226,3 +226,34 @@ def test_a_region_with_a_constant_is_not_reused_for_another_constant():
     x = torch.randn(4, 3)
     for s in (0.5, 0.5, 2.0, 2.0):  # each value's second call runs the compiled code
         torch.testing.assert_close(g(x, s), f(x, s))
+
+
+def test_sequence_parallel_layer_norms_compile_too():
+    """A layer norm's getitems fell on both sides of a sequence-parallel collective: the run
+    returned the op's tuple, which Inductor cannot, and those regions ran eagerly (with a
+    warning). Each getitem now runs in its op's region."""
+    from examples.models import gpt
+    from examples.train_gpt import OPT, batch, make_step, state_specs, strategy_specs
+
+    axes = {"tp": 2}
+    cfg = gpt.Config(layers=1, vocab=32, seq=8, d=16, heads=2, residual=P(None, "tp"))
+    params = gpt.init(cfg)
+    ps = strategy_specs("tp-sp", params, axes)
+    ss = state_specs("tp-sp", ps, axes)
+    step = make_step(cfg)
+    run = sharded(
+        step,
+        mesh=Mesh(axes, simulate=True),
+        in_specs=(ps, ss, P(), P()),
+        out_specs=(ps, ss, P()),
+        backend="inductor",
+    )
+    tok, tgt = batch(0, cfg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*region\\(s\\) of the per-rank program run eagerly")
+        for _ in range(2):  # the second call runs the compiled program
+            got = run(params, OPT.init(params), tok, tgt)
+    want = step(params, OPT.init(params), tok, tgt)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    for k in params:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-6)
