@@ -357,18 +357,9 @@ def test_error_constrain_over_the_pipeline_axis_names_the_constrain():
         h = shardspec.pipeline_boundary(h)
         return torch.nn.functional.cross_entropy(h @ p["w1"], y)
 
-    def step(p, x, y):
-        return shardspec.value_and_grad(loss_fn, microbatches=2)(p, x, y)
-
     p = {"w0": torch.randn(8, 16), "w1": torch.randn(16, 4)}
     x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    run = sharded(
-        step,
-        mesh=Mesh({"pp": 2}, simulate=True),
-        in_specs=(P(), P(), P()),
-        out_specs=P(),
-        pipeline=Pipeline("pp"),
-    )
+    run = _pp2_gradients(loss_fn)
     with pytest.raises(
         ShardingError, match=r"constrain\(\.\.\., P\('pp'\)\) at .*splits over the pipeline axis 'pp'"
     ):
@@ -437,17 +428,23 @@ def test_error_boundary_on_a_parameter_says_so():
         w1 = shardspec.pipeline_boundary(p["w1"])  # on a parameter, not an activation
         return torch.nn.functional.cross_entropy(torch.tanh(torch.tanh(x @ p["w0"]) @ w1) @ p["head"], y)
 
+    p = {"w0": torch.randn(8, 8), "w1": torch.randn(8, 8), "head": torch.randn(8, 4)}
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    run = _pp2_gradients(loss_fn)
+    with pytest.raises(ShardingError, match=r"(?s)applied to an input of the step.*on the activation"):
+        run(p, x, y)
+
+
+def _pp2_gradients(loss_fn):
+    """The loss and gradients of ``loss_fn(p, x, y)`` in 2 microbatches, pipelined over pp = 2."""
+
     def step(p, x, y):
         return shardspec.value_and_grad(loss_fn, microbatches=2)(p, x, y)
 
-    p = {"w0": torch.randn(8, 8), "w1": torch.randn(8, 8), "head": torch.randn(8, 4)}
-    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-    run = sharded(
+    return sharded(
         step,
         mesh=Mesh({"pp": 2}, simulate=True),
         in_specs=(P(), P(), P()),
         out_specs=P(),
         pipeline=Pipeline("pp"),
     )
-    with pytest.raises(ShardingError, match=r"(?s)applied to an input of the step.*on the activation"):
-        run(p, x, y)
