@@ -27,25 +27,33 @@ def init(layers: int, d: int, hidden: int, classes: int, seed: int = 0) -> dict[
     }
 
 
-def forward(params: dict[str, Any], x: torch.Tensor, boundaries: bool = True) -> torch.Tensor:
+def _block(h: torch.Tensor, blk: dict[str, torch.Tensor]) -> torch.Tensor:
+    return h + F.gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"]
+
+
+def forward(
+    params: dict[str, Any], x: torch.Tensor, boundaries: bool = True, remat: bool = False
+) -> torch.Tensor:
+    """``remat``: each block under ``shardspec.remat`` (recomputed for backward)."""
+    block = shardspec.remat(_block) if remat else _block
     h = x
     for i, blk in enumerate(params["blocks"]):
         if i and boundaries:
             h = shardspec.pipeline_boundary(h)
-        h = h + F.gelu(h @ blk["w1"] + blk["b1"]) @ blk["w2"]
+        h = block(h, blk)
     out: torch.Tensor = h @ params["head"]
     return out
 
 
-def loss_fn(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(forward(params, x), y)
+def loss_fn(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, remat: bool = False) -> torch.Tensor:
+    return F.cross_entropy(forward(params, x, remat=remat), y)
 
 
-def make_step(microbatches: int, opt: Any = None) -> Any:
+def make_step(microbatches: int, opt: Any = None, remat: bool = False) -> Any:
     opt = opt or optim.adamw(lr=1e-2, weight_decay=0.1)
 
     def step(params: Any, state: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        loss, grads = shardspec.value_and_grad(loss_fn, microbatches=microbatches)(params, x, y)
+        loss, grads = shardspec.value_and_grad(loss_fn, microbatches=microbatches)(params, x, y, remat)
         params, state = opt.update(grads, state, params)
         return params, state, loss
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import gc
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -234,15 +233,12 @@ def compile_program(
         ]
         for r in range(mesh.size)
     ]
+    backward = frozenset(
+        n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
+    )  # regather tells forward from backward uses by these
+    remat = regions(traced.module)  # ops inside shardspec.remat, recomputed for backward
     if pipeline is not None:
-        if regions(traced.module):
-            warnings.warn(
-                "shardspec.remat is not applied inside a pipelined step's stage programs: their "
-                "activations are kept for backward (results are unchanged). Lower the activation "
-                "memory with more microbatches or more pipeline stages.",
-                stacklevel=2,
-            )
-        plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs, passes)
+        plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs, passes, backward, remat)
         return Program(
             traced,
             prop,
@@ -256,11 +252,7 @@ def compile_program(
         )
     for gm in dict.fromkeys(programs):  # without a pipeline a boundary is an identity
         drop_boundaries(gm)
-    backward = frozenset(
-        n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
-    )  # regather tells forward from backward uses by these
     opts = program_passes.options(passes)
-    remat = regions(traced.module)  # ops inside shardspec.remat, recomputed for backward
     programs = list(
         program_passes.schedule_programs(programs, local_inputs, opts, backward, remat, traced, donated)
     )

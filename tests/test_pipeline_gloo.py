@@ -17,7 +17,7 @@ pytestmark = pytest.mark.multiprocess
 D, HIDDEN, CLASSES, BATCH, M = 8, 16, 4, 16, 4
 
 
-def _two_steps(rank, world, shape, schedule, v, layers):
+def _two_steps(rank, world, shape, schedule, v, layers, remat=False):
     from torch.distributed.tensor import DTensor
 
     from shardspec import P, Pipeline, sharded
@@ -26,7 +26,7 @@ def _two_steps(rank, world, shape, schedule, v, layers):
     params = pm.init(layers, D, HIDDEN, CLASSES)
     state = opt.init(params)
     x, y = pm.data(BATCH, D, CLASSES)
-    step = pm.make_step(M, opt)
+    step = pm.make_step(M, opt, remat)
     mesh = Mesh(shape)
     ps, ss, xs, ys = pm.specs(params, "tp" in shape, "dp" in shape, opt)
     run = sharded(
@@ -55,15 +55,16 @@ def _two_steps(rank, world, shape, schedule, v, layers):
 
 
 @pytest.mark.parametrize(
-    ("shape", "schedule", "v"),
+    ("shape", "schedule", "v", "remat"),
     [
-        ({"pp": 2, "dp": 2}, "1f1b", 1),
-        ({"pp": 2, "dp": 2}, "interleaved", 2),
-        ({"pp": 2, "tp": 2}, "gpipe", 1),
-        ({"pp": 4}, "zb-h1", 1),
+        ({"pp": 2, "dp": 2}, "1f1b", 1, False),
+        ({"pp": 2, "dp": 2}, "interleaved", 2, False),
+        ({"pp": 2, "tp": 2}, "gpipe", 1, False),
+        ({"pp": 2, "tp": 2}, "1f1b", 1, True),  # blocks recomputed in backward, tp reductions too
+        ({"pp": 4}, "zb-h1", 1, False),
     ],
 )
-def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
+def test_pipeline_on_gloo_matches_single_process(shape, schedule, v, remat):
     opt = optim.adamw(lr=1e-2, weight_decay=0.1)
     layers = max(4, shape["pp"] * v)  # one layer per stage at least
     params = pm.init(layers, D, HIDDEN, CLASSES)
@@ -75,7 +76,7 @@ def test_pipeline_on_gloo_matches_single_process(shape, schedule, v):
     specs = dict(zip(*_flat((ps, ss, pm.P())), strict=True))
     reference = dict(zip(*_flat(want), strict=True))
     mesh = Mesh(shape, simulate=True)
-    results = run_distributed(_two_steps, 4, args=(shape, schedule, v, layers), timeout=240)
+    results = run_distributed(_two_steps, 4, args=(shape, schedule, v, layers, remat), timeout=240)
     seen = set()
     for r in results:
         stage = mesh.axis_index(r["rank"], "pp")

@@ -30,6 +30,7 @@ REMAT = "shardspec_remat"  # node meta: a recomputed copy
 AGAIN = "@remat"  # a launch member named "<collective>@remat" is that collective recomputed
 ORIGIN = "shardspec_origin"
 Regions = Mapping[str, tuple[int, bool]]
+_P2P = (ops.send.default, ops.recv.default)
 
 
 def remat(gm: GraphModule, regions: Regions) -> GraphModule:
@@ -123,6 +124,8 @@ def _recomputable(a: Node, member: dict[Node, int], saved: set[Node], r: int) ->
     if a in member:
         return member[a] == r and a not in saved
     if a.op != "call_function" or a.meta.get(ORIGIN) is not None or a.meta.get(BACKWARD):
+        return False
+    if a.target in _P2P:  # a stage's send or recv pairs with one op on its peer: never repeated
         return False
     # an inserted op on program inputs only (a parameter gather, and views of it)
     return all(

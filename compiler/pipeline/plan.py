@@ -11,6 +11,7 @@ from torch.fx import GraphModule
 
 from collectives.ops import fake_rank, mesh_key
 from compiler.passes.graph import annotate
+from compiler.passes.remat import Regions
 from compiler.pipeline.boundary import BOUNDARY
 from compiler.pipeline.check import check_schedule
 from compiler.pipeline.schedules import Lists, schedule
@@ -115,6 +116,8 @@ def plan_pipeline(
     programs: Sequence[GraphModule],
     local_inputs: Sequence[Sequence[tuple[Sequence[int], torch.dtype]]],
     passes: Any = None,
+    backward: frozenset[str] = frozenset(),
+    remat: Regions | None = None,
 ) -> PipelinePlan:
     p = mesh.axis_size(pipeline.axis)
     m = microbatches_of(traced_module)
@@ -139,23 +142,29 @@ def plan_pipeline(
             with fake_rank(r):  # an uneven block's shapes are this rank's own (recv sizes, passes)
                 annotate(programs[r], local_inputs[r])
                 split = split_program(programs[r], stages, lists, q, pipeline.axis, key)
-                done[k] = replace(split, module=_optimized(split.module, local_inputs[r], passes))
+                module = _optimized(split.module, local_inputs[r], passes, backward, remat)
+                done[k] = replace(split, module=module)
         per_rank.append(done[k])
     return PipelinePlan(pipeline, stages, lists, tuple(per_rank))
 
 
 def _optimized(
-    gm: GraphModule, inputs: Sequence[tuple[Sequence[int], torch.dtype]], passes: Any
+    gm: GraphModule,
+    inputs: Sequence[tuple[Sequence[int], torch.dtype]],
+    passes: Any,
+    backward: frozenset[str],
+    remat: Regions | None,
 ) -> GraphModule:
-    """The program passes on a stage program: views, in-place reductions and overlap (the DP
-    reduction issued async once its gradients are complete, waited at the optimizer). Not those that
-    key on traced names (regather, remat), nor bucketing: its sinking moved a send after later
-    blocks, which deadlocked the schedule."""
+    """The program passes on a stage program: views, remat (each microbatch's region recomputed
+    just before that microbatch's backward block on this stage), in-place reductions and overlap
+    (the DP reduction issued async once its gradients are complete, waited at the optimizer). Not
+    regather, nor bucketing: its sinking moved a send after later blocks, which deadlocked the
+    schedule."""
     from compiler import passes as program_passes
 
     opts = program_passes.options(passes)
-    off: dict[str, Any] = {f.name: False for f in fields(opts) if f.name in ("regather", "remat", "bucket")}
-    return program_passes.optimize(gm, inputs, replace(opts, **off))
+    off: dict[str, Any] = {f.name: False for f in fields(opts) if f.name in ("regather", "bucket")}
+    return program_passes.optimize(gm, inputs, replace(opts, **off), backward, remat)
 
 
 def drop_boundaries(gm: GraphModule) -> GraphModule:
