@@ -57,7 +57,18 @@ def signature(fn: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
                 "convert it with torch.as_tensor(...), register its class as a pytree node "
                 "(optree.register_pytree_node), or close over it instead of passing it.",
             )
-    return (tree, tuple(sig))
+    return (tree, tuple(sig), ambient())
+
+
+def ambient() -> tuple[Any, ...]:
+    """The global torch state a trace bakes into the program: the default dtype (of a
+    ``torch.ones(n)`` in the step) and autocast's state (its casts are traced). A step compiled
+    under one and called under another would silently keep the first's dtypes."""
+    casts = tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in _AUTOCAST)
+    return (torch.get_default_dtype(), casts)
+
+
+_AUTOCAST = ("cpu", "cuda")
 
 
 def check_autograd(fn: Any, args: tuple[Any, ...]) -> None:

@@ -28,13 +28,14 @@ from compiler.plan.auto import AUTO
 from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
 from compiler.sources import source_of
-from compiler.trace import TensorSpec, Traced, arg_names, path_str, trace
+from compiler.trace import Traced, arg_names, path_str, trace
 from shardspec.errors import fail
 from shardspec.layout import check_spec, is_even, local_shape
 from shardspec.mesh import Mesh
 from shardspec.pipeline import Pipeline
 from shardspec.placements import spec_to_placements
 from shardspec.spec import P
+from shardspec.spec_tree import keyed_like, mismatch
 
 
 @dataclass(frozen=True)
@@ -54,49 +55,18 @@ class Program:
 def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = None) -> list[P]:
     """One P per leaf of ``tree``; ``specs`` may be a prefix (one P covering a subtree)."""
     try:
-        return list(optree.broadcast_prefix(specs, tree, none_is_leaf=False))
+        return list(optree.broadcast_prefix(keyed_like(specs, tree), tree, none_is_leaf=False))
     except ValueError as exc:
         if names and isinstance(specs, tuple) and len(specs) == len(tree):
-            found = next((m for s, v, n in zip(specs, tree, names) if (m := _mismatch(s, v, n))), None)
+            found = next((m for s, v, n in zip(specs, tree, names) if (m := mismatch(s, v, n))), None)
         else:
-            found = _mismatch(specs, tree, "result")
+            found = mismatch(specs, tree, "result")
         where, detail = found or ("the top level", _without_values(str(exc)))
         raise fail(
             f"{what} does not match the structure of the {'arguments' if names else 'results'} at "
             f"{where}: {detail}.",
             f"give {what} the same tree as the values, or a prefix of it (one P covers a whole subtree).",
         ) from None
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, (torch.Tensor, TensorSpec)):
-        return f"tensor{tuple(x.shape)}" if len(x.shape) else "0-dim tensor"
-    return type(x).__name__
-
-
-def _mismatch(spec: Any, value: Any, path: str) -> tuple[str, str] | None:
-    """The first place where ``spec`` is not a prefix of ``value``: (path, what differs), no values."""
-    if isinstance(spec, P):
-        return None
-    if spec is None:
-        return path, "the spec is None (use P() for a value replicated on every device)"
-    if isinstance(spec, dict):
-        if not isinstance(value, dict):
-            return path, f"the spec is a dict, the value a {_describe(value)}"
-        missing = [k for k in spec if k not in value]
-        extra = [k for k in value if k not in spec]
-        if missing or extra:
-            return path, f"spec keys not in the value: {missing}; value keys without a spec: {extra}"
-        return next((m for k in spec if (m := _mismatch(spec[k], value[k], f"{path}[{k!r}]"))), None)
-    if isinstance(spec, (list, tuple)):
-        if type(spec) is not type(value):
-            return path, f"the spec is a {type(spec).__name__}, the value a {_describe(value)}"
-        if len(spec) != len(value):
-            return path, f"{len(spec)} specs for {len(value)} values"
-        return next(
-            (m for i, (a, b) in enumerate(zip(spec, value)) if (m := _mismatch(a, b, f"{path}[{i}]"))), None
-        )
-    return None
 
 
 def _without_values(text: str) -> str:

@@ -227,6 +227,20 @@ class _RandomMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def check_no_outer_rng(name: str) -> None:
+    """A step called inside ``rng(key)``: its compiled program cannot see that key (the key is
+    not one of its inputs, and a cached program would keep the first call's draws), so say how to
+    pass it."""
+    if _current.get() is not None:
+        raise fail(
+            f"{name}(...) was called inside shardspec.random.rng(key): a sharded step draws from a "
+            "key it receives as an argument, not from a scope around the call (its compiled "
+            "program would draw the same numbers whatever the surrounding key).",
+            f"pass the key to the step (spec P()) and open the scope inside it: def {name}(..., "
+            f"key): with shardspec.random.rng(key): ...; then call {name}(..., fold_in(base, i)).",
+        )
+
+
 @contextlib.contextmanager
 def rng(key: torch.Tensor | int) -> Iterator[None]:
     """Draw dropout masks and ``torch.rand*`` values inside the block from ``key``."""

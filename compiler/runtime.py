@@ -20,6 +20,7 @@ from compiler.constrain import constrain
 from compiler.inductor import check_backend, runner
 from compiler.lowered import Lowered
 from compiler.program import Program, broadcast_specs, compile_program
+from compiler.random import check_no_outer_rng
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
 from compiler.trace import arg_names, path_str
 from shardspec.errors import fail, user_facing
@@ -155,6 +156,8 @@ class ShardedFunction:
     @user_facing
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         self._positional(args, kwargs, ".lower")
+        if _TRACING.get() is None:
+            check_no_outer_rng(self.__name__ + ".lower")
         return Lowered(self._program(args)[0])
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any], method: str = "") -> None:
@@ -172,6 +175,7 @@ class ShardedFunction:
         outer = _TRACING.get()
         if outer is not None:
             return self._inline(outer, args)
+        check_no_outer_rng(self.__name__)
         leaves: list[Any] = optree.tree_leaves(cast(Any, args), none_is_leaf=False)
         if _suspect(leaves):  # the checks below name the argument's path: run them only then
             inputs.check_autograd(self.fn, args)

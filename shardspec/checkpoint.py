@@ -48,6 +48,7 @@ from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
 from shardspec.placements import spec_to_placements
 from shardspec.spec import P
+from shardspec.spec_tree import keyed_like, mismatch
 
 _SCALARS = (bool, int, float, str)
 
@@ -339,12 +340,11 @@ def _leaf_specs(specs: Any, like: Any, paths: list[str]) -> list[Any]:
     if specs is None:
         return [P()] * len(paths)
     try:
-        return list(optree.broadcast_prefix(specs, like, none_is_leaf=False))
+        return list(optree.broadcast_prefix(keyed_like(specs, like), like, none_is_leaf=False))
     except ValueError:
+        where, detail = mismatch(specs, like, "like") or ("the top level", "the trees differ")
         raise fail(
-            f"checkpoint.load: specs do not match the structure of like: specs "
-            f"{optree.tree_structure(specs, none_is_leaf=False)} vs like "
-            f"{optree.tree_structure(like, none_is_leaf=False)}.",
+            f"checkpoint.load: specs do not match the structure of like at {where}: {detail}.",
             "give specs the same tree as like, or a prefix of it (one P covers a whole subtree).",
         ) from None
 

@@ -18,6 +18,7 @@ from shardspec.errors import fail
 from shardspec.layout import check_spec, local_shape
 from shardspec.mesh import Mesh
 from shardspec.spec import P
+from shardspec.spec_tree import keyed_like, mismatch
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -68,14 +69,12 @@ def from_local(tree: Any, specs: Any, mesh: Mesh) -> Any:
         )
     paths, leaves, treedef = optree.tree_flatten_with_path(cast(Any, tree), none_is_leaf=False)
     try:
-        leaf_specs = list(
-            optree.broadcast_prefix(specs, optree.tree_unflatten(treedef, leaves), none_is_leaf=False)
-        )
-    except ValueError as exc:
+        leaf_specs = list(optree.broadcast_prefix(keyed_like(specs, tree), tree, none_is_leaf=False))
+    except ValueError:
+        where, detail = mismatch(specs, tree, "tree") or ("the top level", "the trees differ")
         raise fail(
-            f"from_local: specs {optree.tree_structure(specs, none_is_leaf=False)} do not match the tree "
-            f"{treedef} ({str(exc).split('; dict:')[0][:300]}).",
-            "give specs the same tree as the values, or a prefix of it.",
+            f"from_local: specs do not match the structure of the values at {where}: {detail}.",
+            "give specs the same tree as the values, or a prefix of it (one P covers a whole subtree).",
         ) from None
     mine = []
     for path, leaf, spec in zip(paths, leaves, leaf_specs, strict=True):

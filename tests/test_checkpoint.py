@@ -285,3 +285,16 @@ def test_spec_mismatch_message_has_no_values(tmp_path):
     with pytest.raises(ShardingError) as info:
         checkpoint.load(tmp_path, like={"w": torch.randn(30, 30)}, specs={"v": P()})
     assert "tensor(" not in str(info.value) and "specs do not match" in str(info.value)
+    assert "['v']" in str(info.value) and "['w']" in str(info.value)  # the keys, not tree specs
+
+
+def test_dict_specs_match_an_ordered_dict_by_key(tmp_path):
+    """A state_dict is an OrderedDict in insertion order; a dict of specs flattens sorted: each
+    entry still gets its own key's spec (they were paired by position)."""
+    from collections import OrderedDict
+
+    tree = OrderedDict([("weight", torch.randn(4, 6)), ("bias", torch.randn(6))])
+    checkpoint.save(tmp_path, tree, step=1)
+    mesh = Mesh({"tp": 2}, simulate=True)
+    got = checkpoint.load(tmp_path, like=tree, specs={"weight": P(None, "tp"), "bias": P("tp")}, mesh=mesh)
+    _assert_same(got.tree, tree)

@@ -74,6 +74,15 @@ def test_without_a_key_a_step_draws_from_the_default_seed() -> None:
         assert torch.equal(got, noise(x))
 
 
+def test_a_step_called_inside_an_rng_scope_is_told_to_take_the_key() -> None:
+    """The compiled program cannot see a surrounding key (each key gave the default draws)."""
+    step = sharded(F.dropout, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"),), out_specs=P("dp"))
+    with shardspec.random.rng(shardspec.random.key(1)), pytest.raises(shardspec.ShardingError) as info:
+        step(torch.ones(4, 4))
+    assert "called inside shardspec.random.rng(key)" in str(info.value)
+    assert "pass the key to the step" in str(info.value)
+
+
 def test_distributions() -> None:
     with shardspec.random.rng(shardspec.random.key(3)):
         u = torch.rand(200_000)

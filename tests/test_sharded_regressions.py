@@ -334,3 +334,50 @@ def test_torch_func_jvp_inside_a_step(mesh_axes):
     step = sharded(f, mesh=Mesh(mesh_axes, simulate=True), in_specs=(wspec, P("dp")), out_specs=P())
     for got, want in zip(step(w, x), f(w, x), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_program_compiled_under_autocast_is_not_reused_without_it() -> None:
+    """Autocast's casts and the default dtype are traced into the program: both key the cache."""
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    step = sharded(
+        torch.matmul, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"), P()), out_specs=P("dp")
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert step(a, b).dtype == torch.bfloat16
+    torch.testing.assert_close(step(a, b), a @ b)  # fp32 again, not the bf16 program
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert step(a, b).dtype == torch.bfloat16
+    ones = sharded(
+        lambda u: u + torch.ones(6),
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(P("dp"),),
+        out_specs=P("dp"),
+    )
+    ones(a)
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert ones(a).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_dict_specs_match_an_ordered_dict_argument_and_result_by_key() -> None:
+    from collections import OrderedDict
+
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+    x = OrderedDict([("b", torch.randn(8, 6)), ("a", torch.randn(8, 6))])
+    spec = {"a": P(None, "tp"), "b": P("dp")}
+    step = sharded(
+        lambda d: OrderedDict([("s", d["a"] + d["b"]), ("a", d["a"])]),
+        mesh=mesh,
+        in_specs=(spec,),
+        out_specs={"a": P(None, "tp"), "s": P("dp")},
+    )
+    low = step.lower(x)
+    assert dict(zip(low.program.traced.in_paths, low.program.in_specs, strict=True)) == {
+        "d['b']": P("dp"),
+        "d['a']": P(None, "tp"),
+    }
+    assert list(low.program.out_specs) == [P("dp"), P(None, "tp")]  # s, a: the result's own order
+    got = step(x)
+    torch.testing.assert_close(got["s"], x["a"] + x["b"])
