@@ -16,7 +16,7 @@ from compiler.lowered import CollectiveInfo, Cost, Lowered
 from compiler.passes import options as pass_options
 from compiler.passes.budget import check_budget
 from compiler.runtime import ShardedFunction
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 from shardspec.mesh import Mesh
 
 
@@ -93,7 +93,7 @@ def sharded(
     if memory_budget is not None:
         if pipeline is not None:
             raise fail(
-                f"sharded(memory_budget={memory_budget!r}) with pipeline= is not supported: a "
+                f"sharded(memory_budget={shown(memory_budget)}) with pipeline= is not supported: a "
                 "pipelined step's stages are scheduled by the pipeline pass, not by the budget.",
                 "drop memory_budget for the pipelined step, or run it without pipeline=.",
             )

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 from shardspec.spec import P
 
 
@@ -56,7 +56,9 @@ def constrain(x: torch.Tensor, spec: P) -> torch.Tensor:
         h = constrain(h, P("dp", "tp"))  # sequence parallel: the residual stream split over tp
     """
     if not isinstance(spec, P):
-        raise fail(f"constrain: spec must be a P(...), got {spec!r}.", "write constrain(x, P('dp', None)).")
+        raise fail(
+            f"constrain: spec must be a P(...), got {shown(spec)}.", "write constrain(x, P('dp', None))."
+        )
     if not isinstance(x, torch.Tensor):
         raise fail(f"constrain: expected a tensor, got {type(x).__name__}.", "constrain tensors only.")
     spec.check_rank(x.dim(), name="constrain", shape=tuple(x.shape))

@@ -62,8 +62,12 @@ def value_and_grad(
 
     aux_trees: list[Any] = []
 
-    def scalar(*args: Any) -> Any:
-        out = fn(*args)
+    trees: list[Any] = []  # the differentiated arguments' trees, while torch.func runs scalar
+
+    def scalar(*args: Any, **kwargs: Any) -> Any:
+        own = trees[-1]
+        args = tuple(optree.tree_unflatten(own[n], list(a)) if n in own else a for n, a in enumerate(args))
+        out = fn(*args, **kwargs)
         if has_aux:
             if not isinstance(out, tuple) or len(out) != 2:
                 raise fail(
@@ -83,11 +87,29 @@ def value_and_grad(
         scalar, argnums=argnums if isinstance(argnums, int) else nums, has_aux=has_aux
     )
 
-    def run(*args: Any) -> tuple[Any, Any]:
+    def differentiate(k: int, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """grad_fn on ``args`` whose differentiated ones travel as tuples of their tensor leaves
+        (torch.func's trees take None for a leaf, ours an empty subtree): grads come back in the
+        arguments' own trees, a None where the argument has one."""
+        pos = [n % len(args) for n in nums]
+        flat = {n: optree.tree_flatten(args[n], none_is_leaf=False) for n in pos}
+        trees.append({n: tree for n, (_, tree) in flat.items()})
+        try:
+            leaves = tuple(tuple(flat[n][0]) if n in flat else a for n, a in enumerate(args))
+            grads, value = _labelled(grad_fn, k, call, leaves, kwargs)
+        finally:
+            trees.pop()
+        if isinstance(argnums, int):
+            return optree.tree_unflatten(flat[pos[0]][1], list(grads)), value
+        return tuple(
+            optree.tree_unflatten(flat[n][1], list(g)) for n, g in zip(pos, grads, strict=True)
+        ), value
+
+    def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = next(_CALLS)
         _check_differentiable(nums, argnums, args)
         if microbatches is None or microbatches == 1:
-            grads, value = _labelled(grad_fn, 0, call, args)
+            grads, value = differentiate(0, call, args, kwargs)
             return (_with_aux(value, aux_trees) if has_aux else value), grads
         if not isinstance(microbatches, int) or microbatches < 1:
             raise fail(
@@ -102,13 +124,13 @@ def value_and_grad(
             )
         chunks = []
         for i, a in enumerate(args):
-            if i in nums or (batches is not None and i not in batches):
+            if i in {n % len(args) for n in nums} or (batches is not None and i not in batches):
                 chunks.append([a] * microbatches)  # differentiated, or the same for every example
                 continue
             chunks.append(_split(a, microbatches, i))
         total_loss, total_grads, auxes = None, None, []
         for k in range(microbatches):
-            grads, value = _labelled(grad_fn, k, call, tuple(c[k] for c in chunks))
+            grads, value = differentiate(k, call, tuple(c[k] for c in chunks), kwargs)
             loss = value[0] if has_aux else value
             if has_aux:
                 auxes.append(_with_aux(value, aux_trees)[1])
@@ -172,8 +194,15 @@ def _check_differentiable(nums: tuple[int, ...], argnums: Any, args: tuple[Any, 
     for n in nums:
         paths, leaves, _ = optree.tree_flatten_with_path(args[n], none_is_leaf=False)
         for path, leaf in zip(paths, leaves, strict=True):
-            if isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
-                where = f"argument {n}" + "".join(f"[{p!r}]" for p in path)
+            where = f"argument {n}" + "".join(f"[{p!r}]" for p in path)
+            if not isinstance(leaf, torch.Tensor):
+                raise fail(
+                    f"value_and_grad: {where} is a {type(leaf).__name__}, and only tensors are "
+                    "differentiated (None leaves are fine: their gradient is None).",
+                    "pass that value in an argument that is not differentiated, or as a float "
+                    "tensor (torch.tensor(x)) to get its gradient.",
+                )
+            if not (leaf.is_floating_point() or leaf.is_complex()):
                 raise fail(
                     f"value_and_grad: {where} is a {leaf.dtype} tensor of shape {tuple(leaf.shape)}, "
                     "and only floating-point tensors have gradients.",
@@ -182,11 +211,13 @@ def _check_differentiable(nums: tuple[int, ...], argnums: Any, args: tuple[Any, 
                 )
 
 
-def _labelled(grad_fn: Callable[..., Any], k: int, call: int, args: tuple[Any, ...]) -> Any:
+def _labelled(
+    grad_fn: Callable[..., Any], k: int, call: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Run one chunk with its nodes labelled ``k`` (of call ``call``) and the pipeline cuts
     numbered from 0."""
     with cuts_from_zero(), fxt.annotate({MICROBATCH: k, CALL: call}):
-        return grad_fn(*args)
+        return grad_fn(*args, **kwargs)
 
 
 def _split(arg: Any, m: int, position: int) -> list[Any]:

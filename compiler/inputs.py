@@ -171,6 +171,9 @@ def _key_digest(key: tuple[Any, ...]) -> int:
     return found
 
 
+FAILED = -1  # the program number a rank whose compile raised sends in the agreement exchange
+
+
 def start_same_call(
     key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float, values: int = 0
 ) -> Callable[[], None]:
@@ -190,6 +193,14 @@ def start_same_call(
 
 
 def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
+    failed = [r for r, v in enumerate(everyone) if int(v[2]) == FAILED]
+    if failed:
+        raise fail(
+            f"rank(s) {failed} could not compile {name}(...): their own error says why (a spec, "
+            "argument or Python error only those ranks hit); this rank's call was not run.",
+            "fix the error reported on those ranks; if it depends on the rank (rank-local data or "
+            "a rank-dependent branch in the step), make every rank call the step alike.",
+        )
     which = next(i for i in range(3) if len({int(v[i]) for v in everyone}) > 1)
     ranks = groups([v[which : which + 1] for v in everyone])
     what = (

@@ -29,7 +29,7 @@ from compiler.propagate import Propagation, propagate
 from compiler.sharding import Sharding
 from compiler.sources import source_of
 from compiler.trace import Traced, arg_names, path_str, trace
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 from shardspec.layout import check_spec, is_even, local_shape
 from shardspec.mesh import Mesh
 from shardspec.pipeline import Pipeline
@@ -50,6 +50,26 @@ class Program:
     donated: tuple[int, ...] = ()  # tensor inputs whose buffers the results may take (donate=)
     pipeline: PipelinePlan | None = None  # sharded(pipeline=...): stages, schedule, stage programs
     cost_model: Any = None  # sharded(cost_model=...): the machine the global planner priced
+
+
+def per_argument(
+    in_specs: Any, args: tuple[Any, ...], names: list[str], step: str = "the step"
+) -> tuple[Any, ...]:
+    """``in_specs`` as one spec tree per positional argument (a list means the same as a tuple)."""
+    if isinstance(in_specs, list) and len(in_specs) == len(args):
+        in_specs = tuple(in_specs)
+    if not isinstance(in_specs, tuple) or len(in_specs) != len(args):
+        got = (
+            f"has {len(in_specs)} entries"
+            if isinstance(in_specs, (tuple, list))
+            else f"is a {type(in_specs).__name__}"
+        )
+        raise fail(
+            f"in_specs {got} but {step} was called with {len(args)} arguments ({', '.join(names)}).",
+            "pass in_specs as a tuple with one spec tree per positional argument, e.g. "
+            f"in_specs=({', '.join('P()' for _ in names)},).",
+        )
+    return in_specs
 
 
 def broadcast_specs(specs: Any, tree: Any, what: str, names: list[str] | None = None) -> list[P]:
@@ -112,19 +132,7 @@ def compile_program(
     cost_model: Any = None,
 ) -> Program:
     names = arg_names(fn, len(args))
-    if isinstance(in_specs, list) and len(in_specs) == len(args):
-        in_specs = tuple(in_specs)  # a list of per-argument specs means the same as a tuple
-    if not isinstance(in_specs, tuple) or len(in_specs) != len(args):
-        got = (
-            f"has {len(in_specs)} entries"
-            if isinstance(in_specs, (tuple, list))
-            else f"is a {type(in_specs).__name__}"
-        )
-        raise fail(
-            f"in_specs {got} but the step was called with {len(args)} arguments ({', '.join(names)}).",
-            "pass in_specs as a tuple with one spec tree per positional argument, e.g. "
-            f"in_specs=({', '.join('P()' for _ in names)},).",
-        )
+    in_specs = per_argument(in_specs, args, names)
     leaf_specs = broadcast_specs(in_specs, args, "in_specs", names)
     paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
     tensor_specs: list[P] = []
@@ -137,7 +145,7 @@ def compile_program(
             if isinstance(leaf, torch.Tensor):
                 auto_in.append(len(tensor_specs))
         if not isinstance(spec, P):
-            raise fail(f"in_specs for {where} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
+            raise fail(f"in_specs for {where} is {shown(spec)}, not a P.", "use P(...) (P() = replicated).")
         if isinstance(leaf, torch.Tensor):
             check_spec(tuple(leaf.shape), mesh, spec, name=where)
             if path[0] in donate:
@@ -159,7 +167,9 @@ def compile_program(
     out_leaf_specs = [P() if k in auto_out else s for k, s in enumerate(out_leaf_specs)]
     for out_path, spec, info in zip(traced.out_paths, out_leaf_specs, traced.outputs, strict=True):
         if not isinstance(spec, P):
-            raise fail(f"out_specs for {out_path} is {spec!r}, not a P.", "use P(...) (P() = replicated).")
+            raise fail(
+                f"out_specs for {out_path} is {shown(spec)}, not a P.", "use P(...) (P() = replicated)."
+            )
         check_spec(info.shape, mesh, spec, name=out_path)
     if pipeline is not None:
         check_pipeline(pipeline, mesh, list(zip(traced.out_paths, out_leaf_specs, strict=True)))

@@ -232,6 +232,7 @@ def check_no_outer_rng(name: str) -> None:
     not one of its inputs, and a cached program would keep the first call's draws), so say how to
     pass it."""
     if _current.get() is not None:
+        name = name if name.replace(".", "_").isidentifier() else "step"  # not "<lambda>"
         raise fail(
             f"{name}(...) was called inside shardspec.random.rng(key): a sharded step draws from a "
             "key it receives as an argument, not from a scope around the call (its compiled "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -19,11 +20,11 @@ from compiler.backend import dtensor_type
 from compiler.constrain import constrain
 from compiler.inductor import check_backend, runner
 from compiler.lowered import Lowered
-from compiler.program import Program, broadcast_specs, compile_program
+from compiler.program import Program, broadcast_specs, compile_program, per_argument
 from compiler.random import check_no_outer_rng
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
 from compiler.trace import arg_names, path_str
-from shardspec.errors import fail, user_facing
+from shardspec.errors import fail, shown, user_facing
 from shardspec.layout import check_spec, shard, unshard
 from shardspec.mesh import Mesh
 from shardspec.spec import P
@@ -82,12 +83,13 @@ class ShardedFunction:
                 )
         if unsupported not in ("error", "replicate"):
             raise fail(
-                f"sharded(unsupported={unsupported!r}) is not an option.",
+                f"sharded(unsupported={shown(unsupported)}) is not an option.",
                 "use 'error' (default) or 'replicate'.",
             )
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.unsupported = unsupported
         self._cache: dict[Any, Program] = {}
+        self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
         self._plans: dict[int, _RealPlan] = {}  # per program: per-call metadata and its digest
         self._values_checked: set[tuple[int, tuple[bool, ...]]] = set()
         self._small: dict[tuple[int, tuple[bool, ...]], tuple[int, ...]] = {}  # per program and call kind
@@ -98,6 +100,35 @@ class ShardedFunction:
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "step")
         self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """``@sharded`` on a method: the step of ``obj``'s bound method (its attributes are closed
+        over, as constants), one per instance so each keeps its compiled programs."""
+        if obj is None:
+            return self
+        try:
+            bound: ShardedFunction | None = self._bound.get(obj)
+        except TypeError:  # not weak-referenceable: a step per access (compiled again each time)
+            bound = None
+        if bound is None:
+            bound = ShardedFunction(
+                types.MethodType(self.fn, obj),
+                self.mesh,
+                self.in_specs,
+                self.out_specs,
+                self.unsupported,
+                self.strict,
+                self.check_values,
+                self.timeout,
+                self.passes,
+                self.donate,
+                self.pipeline,
+                self.cost_model,
+                self.backend,
+            )
+            with contextlib.suppress(TypeError):
+                self._bound[obj] = bound
+        return bound
 
     def _program(self, args: tuple[Any, ...]) -> tuple[Program, tuple[Any, ...]]:
         if self.mesh.simulated:
@@ -254,7 +285,11 @@ class ShardedFunction:
             return
         with contextlib.suppress(Exception):  # the others differ (they called as usual), or never came
             inputs.start_same_call(
-                ("this rank could not compile the call",), self._identity, -1, self.__name__, self.timeout
+                ("this rank could not compile the call",),
+                self._identity,
+                inputs.FAILED,
+                self.__name__,
+                self.timeout,
             )()
 
     def _inline(self, outer: Mesh, args: tuple[Any, ...]) -> Any:
@@ -266,7 +301,8 @@ class ShardedFunction:
                 f"build {self.__name__} on the outer step's mesh, or call the plain function inside.",
             )
         names = arg_names(self.fn, len(args))
-        specs = broadcast_specs(self.in_specs, args, "in_specs", names)
+        in_specs = per_argument(self.in_specs, args, names, f"{self.__name__} (called inside another step)")
+        specs = broadcast_specs(in_specs, args, "in_specs", names)
         paths, leaves, tree = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
         for path, x, s in zip(paths, leaves, specs, strict=True):  # named as this step's, not a constrain
             if isinstance(x, torch.Tensor) and isinstance(s, P):
@@ -322,7 +358,7 @@ def _donate_argnums(donate: Any) -> tuple[int, ...]:
     )
     if not ok:
         raise fail(
-            f"sharded(donate={donate!r}) is not a tuple of argument positions.",
+            f"sharded(donate={shown(donate)}) is not a tuple of argument positions.",
             "pass the positions of the arguments whose buffers the step may reuse, e.g. donate=(0, 1).",
         )
     return tuple(sorted(set(donate)))

@@ -30,6 +30,32 @@ def fail(what: str, fix: str) -> ShardingError:
     return ShardingError(f"{what}\nFix: {fix}")
 
 
+class _Tensor:
+    def __init__(self, t: Any) -> None:
+        self.text = f"<tensor of shape {tuple(t.shape)}, {t.dtype}>"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def shown(x: Any) -> str:
+    """``repr(x)`` for echoing what a user passed, with each tensor in it named by its shape and
+    dtype: a message never prints tensor values (a parameter tree given where its specs belong)."""
+    import optree
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return repr(_Tensor(x))
+    try:
+        return repr(optree.tree_map(lambda v: _Tensor(v) if isinstance(v, torch.Tensor) else v, x))
+    except Exception:  # a tree whose nodes cannot be rebuilt: no tensors shown either way
+        return (
+            repr(x)
+            if not any(isinstance(v, torch.Tensor) for v in optree.tree_leaves(x))
+            else type(x).__name__
+        )
+
+
 def user_facing(fn: F) -> F:
     """A ShardingError leaves ``fn`` without the library's own frames in its traceback (as JAX
     filters its frames): the user's call line, then the message, which says all there is to act

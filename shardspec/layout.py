@@ -81,6 +81,8 @@ def local_shape(shape: Sequence[int], mesh: Mesh, spec: P, rank: int) -> tuple[i
 
     Example: ``local_shape((8, 6), Mesh({"dp": 2, "tp": 4}, simulate=True), P("dp", "tp"), 3)`` is
     ``(4, 0)`` (6 columns over 4 devices: blocks 2, 2, 2, 0)."""
+    if not isinstance(spec, P):
+        check_spec(shape, mesh, spec, name="local_shape")  # names what spec should be
     return tuple(s.stop - s.start for s in device_slices(shape, mesh, spec, rank))
 
 
@@ -96,6 +98,11 @@ def shard(x: torch.Tensor, mesh: Mesh, spec: P, *, name: str = "x") -> list[torc
 
     Example: ``shard(torch.arange(4), Mesh({"dp": 2}, simulate=True), P("dp"))`` is
     ``[tensor([0, 1]), tensor([2, 3])]``."""
+    if not isinstance(x, torch.Tensor):
+        raise fail(
+            f"shard({name}): expected a torch.Tensor, got {type(x).__name__}.",
+            "convert it first: shard(torch.as_tensor(x), mesh, spec).",
+        )
     check_spec(tuple(x.shape), mesh, spec, name=name)
     return [x[device_slices(x.shape, mesh, spec, r)].clone() for r in range(mesh.size)]
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -27,7 +27,7 @@ def _parse_axes(axes: object) -> tuple[tuple[str, int], ...]:
         pairs = list(axes)
     else:
         raise fail(
-            f"Mesh(axes={axes!r}): axes must be a dict of name -> size or a sequence of "
+            f"Mesh(axes={shown(axes)}): axes must be a dict of name -> size or a sequence of "
             f"(name, size) pairs, got {type(axes).__name__}.",
             "write Mesh({'dp': 2, 'tp': 4}) or Mesh([('dp', 2), ('tp', 4)]).",
         )
@@ -40,29 +40,30 @@ def _parse_axes(axes: object) -> tuple[tuple[str, int], ...]:
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, tuple | list) and len(pair) == 2):
             raise fail(
-                f"Mesh(axes={axes!r}): item {i} is {pair!r}, not a (name, size) pair.",
+                f"Mesh(axes={shown(axes)}): item {i} is {shown(pair)}, not a (name, size) pair.",
                 "write Mesh({'dp': 2, 'tp': 4}) or Mesh([('dp', 2), ('tp', 4)]).",
             )
         name, size = pair
         if not isinstance(name, str) or not name.isidentifier():
             raise fail(
-                f"Mesh(axes={axes!r}): axis name {name!r} is not a valid name.",
+                f"Mesh(axes={shown(axes)}): axis name {name!r} is not a valid name.",
                 "name axes with identifiers such as 'dp', 'tp', 'pp'.",
             )
         if isinstance(size, bool) or not isinstance(size, int):
             raise fail(
-                f"Mesh(axes={axes!r}): axis {name!r} has size {size!r} of type "
+                f"Mesh(axes={shown(axes)}): axis {name!r} has size {shown(size)} of type "
                 f"{type(size).__name__}; sizes are device counts.",
                 f"give {name!r} a positive int size, e.g. {{{name!r}: 2}}.",
             )
         if size <= 0:
             raise fail(
-                f"Mesh(axes={axes!r}): axis {name!r} has size {size}; every axis needs at least one device.",
+                f"Mesh(axes={shown(axes)}): axis {name!r} has size {size}; every axis needs at least one "
+                "device.",
                 f"give {name!r} a size >= 1 (size 1 means the axis is present but not split).",
             )
         if any(name == seen for seen, _ in parsed):
             raise fail(
-                f"Mesh(axes={axes!r}): axis name {name!r} appears twice.",
+                f"Mesh(axes={shown(axes)}): axis name {name!r} appears twice.",
                 "give each mesh axis a distinct name.",
             )
         parsed.append((name, size))
@@ -94,6 +95,11 @@ class Mesh:
         self, axes: Mapping[str, int] | Iterable[tuple[str, int]], *, simulate: bool = False
     ) -> None:
         object.__setattr__(self, "_axes", _parse_axes(axes))
+        if not isinstance(simulate, (bool, int)):
+            raise fail(
+                f"Mesh(simulate={shown(simulate)}): simulate is True or False.",
+                "pass simulate=True for virtual devices in this process, False (default) under torchrun.",
+            )
         object.__setattr__(self, "_simulate", bool(simulate))
         object.__setattr__(self, "_device_mesh", None)
         object.__setattr__(self, "_rank", None)
@@ -151,6 +157,11 @@ class Mesh:
     def rank_of(self, coords: Mapping[str, int]) -> int:
         """Inverse of :meth:`coords`."""
         rank = 0
+        if missing := [n for n, _ in self._axes if n not in coords]:
+            raise fail(
+                f"Mesh.rank_of({dict(coords)!r}): no coordinate for axis/axes {missing}.",
+                f"give one coordinate per axis of {self.describe()}.",
+            )
         for name, size in self._axes:
             c = coords[name]
             if not 0 <= c < size:

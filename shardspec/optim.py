@@ -22,6 +22,19 @@ def _map(fn: Any, *trees: Any) -> Any:
     return optree.tree_map(fn, *trees, none_is_leaf=False)
 
 
+def _check_state(opt: Any, state: Any, keys: tuple[str, ...]) -> None:
+    """``state`` is the one ``opt.init`` builds (a wrong optimizer's state, or none, otherwise
+    fails on a missing key deep in the update)."""
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise fail(
+            f"{opt!r}.update: the optimizer state holds {got}, but this optimizer's state holds "
+            f"{sorted(keys)}.",
+            "build the state with this optimizer's init(params) (and its specs with state_specs), "
+            "not another optimizer's.",
+        )
+
+
 @dataclass(frozen=True)
 class SGD:
     lr: float
@@ -34,6 +47,7 @@ class SGD:
         return {"momentum": param_specs} if self.momentum else {}
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
+        _check_state(self, state, ("momentum",) if self.momentum else ())
         if self.momentum:
             buf = _map(lambda b, g: self.momentum * b + g, state["momentum"], grads)
             return _map(lambda p, b: p - self.lr * b, params, buf), {"momentum": buf}
@@ -58,6 +72,7 @@ class AdamW:
         return {"step": P(), "m": param_specs, "v": param_specs}
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
+        _check_state(self, state, ("step", "m", "v"))
         step = state["step"] + 1
         hyper = (self.lr, *self.betas, self.eps, self.weight_decay)
         new = _map(

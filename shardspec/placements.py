@@ -74,7 +74,14 @@ def placements_to_spec(
         P('dp')
     """
     from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import Placement
 
+    if isinstance(placements, Placement):
+        raise fail(
+            f"{name}: placements is one {placements!r}, not a sequence with one per mesh axis.",
+            f"pass a tuple, e.g. ({placements!r},) for a one-axis mesh; {mesh.describe()} needs "
+            f"{len(mesh.axis_names)}.",
+        )
     if len(placements) != len(mesh.axis_names):
         raise fail(
             f"{name}: {len(placements)} placements {tuple(placements)} for {mesh.describe()}, which "

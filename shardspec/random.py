@@ -59,10 +59,29 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     """
     from compiler.random import _M32, _hash
 
-    d = torch.as_tensor(data, dtype=torch.int64)
+    key = as_key(key, "fold_in(key, ...)")
+    d = as_key(data, "fold_in(..., data)", "data")
     low = _hash(torch.remainder(key.to(torch.int64), _M32) ^ _hash(torch.remainder(d, _M32)))
     return _hash(low ^ torch.div(key.to(torch.int64), _M32, rounding_mode="floor")) + _M32 * torch.remainder(
         torch.div(d, _M32, rounding_mode="floor"), _M32
+    )
+
+
+def as_key(x: torch.Tensor | int, where: str, noun: str = "a key") -> torch.Tensor:
+    """``x`` as a key: an int (a seed) or a 0-dim integer tensor; anything else is refused rather
+    than broadcast into the draws (a JAX-style 2-element key) or truncated (a float)."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return torch.tensor(x, dtype=torch.int64)
+    integer = isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex())
+    if integer and x.dim() == 0 and x.dtype is not torch.bool:  # type: ignore[union-attr]
+        return x  # type: ignore[return-value]
+    from shardspec.errors import fail, shown
+
+    what = f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else shown(x)
+    raise fail(
+        f"shardspec.random.{where}: {noun} is an int or a 0-dim integer tensor, got {what}.",
+        "make one with shardspec.random.key(seed) and derive others with fold_in(key, step); a "
+        "key is one int64 value here, not JAX's two-element key.",
     )
 
 
@@ -79,5 +98,5 @@ def rng(key: torch.Tensor | int) -> Iterator[None]:
     """
     from compiler.random import rng as _rng
 
-    with _rng(key):
+    with _rng(as_key(key, "rng(key)")):
         yield

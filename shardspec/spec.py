@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 if TYPE_CHECKING:
     from shardspec.mesh import Mesh
@@ -31,7 +31,7 @@ def _normalize_entry(entry: object, position: int, raw: tuple[object, ...]) -> E
         for name in names:
             if not isinstance(name, str) or not name:
                 raise fail(
-                    f"P{_raw_repr(raw)}: entry {position} is {entry!r}, whose item {name!r} is not a "
+                    f"P{_raw_repr(raw)}: entry {position} is {shown(entry)}, whose item {name!r} is not a "
                     "mesh axis name.",
                     "a tuple entry holds mesh axis names only, e.g. P(('dp', 'tp'), None).",
                 )
@@ -39,14 +39,14 @@ def _normalize_entry(entry: object, position: int, raw: tuple[object, ...]) -> E
             return None
         return names[0] if len(names) == 1 else names
     raise fail(
-        f"P{_raw_repr(raw)}: entry {position} is {entry!r} of type {type(entry).__name__}; an entry "
+        f"P{_raw_repr(raw)}: entry {position} is {shown(entry)} of type {type(entry).__name__}; an entry "
         "must be None, a mesh axis name (str) or a tuple of axis names.",
         "write e.g. P('dp', None) or P(('dp', 'tp'),); dimension sizes belong to the tensor, not the spec.",
     )
 
 
 def _raw_repr(raw: tuple[object, ...]) -> str:
-    return "(" + ", ".join(repr(e) for e in raw) + ")"
+    return "(" + ", ".join(shown(e) for e in raw) + ")"
 
 
 class P:
@@ -73,8 +73,9 @@ class P:
             for name in _names(entry):
                 if name in seen:
                     raise fail(
-                        f"P{_raw_repr(entries)} uses mesh axis {name!r} twice (dims {seen[name]} "
-                        f"and {dim}); a device can hold only one slice of each dim per axis.",
+                        f"P{_raw_repr(entries)} uses mesh axis {name!r} twice "
+                        + (f"in dim {dim}" if seen[name] == dim else f"(dims {seen[name]} and {dim})")
+                        + "; a device can hold only one slice of each dim per axis.",
                         f"name {name!r} in one entry only; to split one dim over several axes use a "
                         "tuple, e.g. P(('dp', 'tp')).",
                     )

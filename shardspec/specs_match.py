@@ -53,9 +53,14 @@ def match_specs(tree: Any, rules: Sequence[tuple[str | re.Pattern[str], P]], def
                 f"match_specs: rule {i}'s pattern {pattern!r} is not a valid regular expression ({exc}).",
                 "fix the pattern (escape literal dots as \\.).",
             ) from None
-    paths, leaves, treedef = optree.tree_flatten_with_path(tree, none_is_leaf=False)
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
+    # a namedtuple's or dataclass's entries by field name (paths give their positions)
+    paths = [
+        tuple(getattr(e, "field", None) or e.entry for e in accessor)
+        for accessor in optree.tree_accessors(tree, none_is_leaf=False)
+    ]
     specs = []
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(paths, leaves, strict=True):
         name = leaf_name(path)
         spec = next((s for regex, s in compiled if regex.search(name)), default)
         if spec is _NO_DEFAULT:

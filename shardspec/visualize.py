@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardspec.errors import fail, shown
 from shardspec.layout import check_spec, chunk_bounds, device_slices, is_even
 from shardspec.mesh import Mesh
 from shardspec.spec import P
@@ -18,7 +19,19 @@ def visualize(shape: Sequence[int], mesh: Mesh, spec: P) -> str:
 
         >>> print(visualize((8, 6), Mesh({"dp": 2, "tp": 4}, simulate=True), P("dp", "tp")))
     """
-    shape = tuple(int(n) for n in shape)
+    if isinstance(getattr(shape, "shape", None), tuple):  # a tensor: its shape
+        shape = tuple(shape.shape)  # type: ignore[attr-defined]
+    try:
+        shape = tuple(int(n) for n in shape)
+    except (TypeError, ValueError):
+        raise fail(
+            f"visualize(shape={shown(shape)}): shape must be a sequence of ints.",
+            "pass a tensor's shape, e.g. visualize(x.shape, mesh, P('dp')).",
+        ) from None
+    if not isinstance(mesh, Mesh):
+        raise fail(f"visualize: mesh must be a shardspec.Mesh, got {type(mesh).__name__}.", "pass the mesh.")
+    if not isinstance(spec, P):
+        raise fail(f"visualize: spec must be a P(...), got {shown(spec)}.", "write e.g. P('dp', None).")
     check_spec(shape, mesh, spec, name=f"visualize(shape={shape})")
     split = [d for d in range(len(shape)) if spec.axes_of(d)]
     header = [f"shape {shape}, {mesh.describe()}, spec {spec}"]

@@ -37,6 +37,18 @@ def _backward_inside(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def _step_in_rng_scope() -> Any:
+    step = _step(lambda x: x * 2, (P("dp"),), P("dp"))
+    with shardspec.random.rng(shardspec.random.key(1)):
+        return step(X)
+
+
+def _shard0() -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(0)
+
+
 def _step(fn: Callable[..., Any], in_specs: Any, out_specs: Any, mesh: Mesh = SIM, **kw: Any) -> Any:
     return sharded(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw)
 
@@ -143,6 +155,8 @@ CASES: tuple[Case, ...] = (
         ("dict of name -> size",),
     ),
     Case("mesh", "a rank outside the mesh", lambda: SIM.coords(4), ("rank 4", "0..3")),
+    Case("mesh", "simulate that is not a bool", lambda: Mesh({"dp": 2}, simulate="no"), ("simulate='no'",)),
+    Case("mesh", "a device coordinate missing an axis", lambda: SIM.rank_of({"dp": 1}), ("['tp']",)),
     Case("mesh", "the rank of a simulated mesh", lambda: DP.rank, ("virtual devices",)),
     Case(
         "mesh",
@@ -161,6 +175,25 @@ CASES: tuple[Case, ...] = (
         "specs", "an axis used twice in one spec", lambda: P("dp", None, "dp"), ("'dp' twice", "dims 0 and 2")
     ),
     Case("specs", "a spec entry of the wrong type", lambda: P("dp", 2), ("entry 1 is 2 of type int",)),
+    Case("specs", "an axis used twice in one dim", lambda: P(("dp", "dp")), ("'dp' twice in dim 0",)),
+    Case(
+        "specs",
+        "the parameters passed where their specs belong",
+        lambda: _step(_mlp, (PARAMS, P("dp")), P())(PARAMS, X),
+        ("in_specs for params['w1'] is <tensor of shape (4, 8), torch.float32>", "use P(...)"),
+    ),
+    Case(
+        "specs",
+        "one placement where a sequence belongs",
+        lambda: shardspec.placements_to_spec(_shard0(), DP, 2),
+        ("placements is one Shard(dim=0)", "(Shard(dim=0),)"),
+    ),
+    Case(
+        "specs",
+        "shard of something that is not a tensor",
+        lambda: shard([[1.0, 2.0]], DP, P("dp")),
+        ("expected a torch.Tensor, got list", "torch.as_tensor"),
+    ),
     Case(
         "specs",
         "a string where a P belongs",
@@ -315,6 +348,18 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "purity",
+        "a step called inside an rng scope",
+        _step_in_rng_scope,
+        ("called inside shardspec.random.rng(key)", "pass the key to the step"),
+    ),
+    Case(
+        "purity",
+        "a JAX-style two-element random key",
+        lambda: shardspec.random.fold_in(torch.tensor([0, 1]), 3),
+        ("torch.int64 tensor of shape (2,)", "random.key(seed)"),
+    ),
+    Case(
+        "purity",
         "torch.bernoulli inside the step",
         lambda: _step(lambda x: torch.bernoulli(torch.sigmoid(x)), (P("dp"),), P("dp"))(X),
         ("aten.bernoulli", "(torch.rand_like(probs) < probs).to(probs.dtype)", "(torch.rand_like(x) < p)"),
@@ -372,6 +417,16 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "autograd",
+        "a Python number among the differentiated leaves",
+        lambda: _step(
+            lambda p, x: shardspec.value_and_grad(lambda p, x: (x @ p["w1"]).sum() * p["scale"])(p, x)[0],
+            (P(), P("dp")),
+            P(),
+        )({"w1": PARAMS["w1"], "scale": 0.5}, X),
+        ("argument 0['scale'] is a float", "torch.tensor(x)"),
+    ),
+    Case(
+        "autograd",
         "an argument that requires grad",
         lambda: _step(lambda x: x.sum(), (P("dp"),), P())(torch.ones(4, requires_grad=True)),
         ("x requires grad", "(4,)", "value_and_grad"),
@@ -420,6 +475,12 @@ CASES: tuple[Case, ...] = (
         "a hyperparameter that is not a number",
         lambda: optim.adamw(lr="3e-4"),
         ("lr='3e-4' is not a number", "adamw(lr=3e-4"),
+    ),
+    Case(
+        "optim",
+        "another optimizer's state",
+        lambda: optim.adamw().update(PARAMS, optim.sgd(0.1, momentum=0.9).init(PARAMS), PARAMS),
+        ("holds ['momentum']", "['m', 'step', 'v']", "this optimizer's init(params)"),
     ),
     # memory
     Case(

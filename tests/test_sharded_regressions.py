@@ -381,3 +381,56 @@ def test_dict_specs_match_an_ordered_dict_argument_and_result_by_key() -> None:
     assert list(low.program.out_specs) == [P("dp"), P(None, "tp")]  # s, a: the result's own order
     got = step(x)
     torch.testing.assert_close(got["s"], x["a"] + x["b"])
+
+
+def test_sharded_on_a_method_binds_self_and_keeps_a_program_per_instance() -> None:
+    mesh = Mesh({"dp": 2}, simulate=True)
+
+    class Model:
+        def __init__(self, seed: int) -> None:
+            self.w = torch.randn(6, 3, generator=torch.Generator().manual_seed(seed))
+
+        @sharded(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    x = torch.randn(8, 6)
+    a, b = Model(0), Model(1)
+    torch.testing.assert_close(a.forward(x), x @ a.w)
+    torch.testing.assert_close(b.forward(x), x @ b.w)  # b's own weights, not a's program
+    assert a.forward is a.forward
+
+
+def test_value_and_grad_takes_keyword_arguments_and_none_leaves_as_torch_func_does() -> None:
+    def loss(p: Any, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        b = p["b"]
+        return ((x @ p["w"]) * scale).sum() + (0 if b is None else b.sum())
+
+    p, x = {"w": torch.randn(6, 4), "b": None}, torch.randn(8, 6)
+
+    def step(p: Any, x: torch.Tensor) -> Any:
+        return shardspec.value_and_grad(loss)(p, x, scale=2.0)
+
+    got = sharded(step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P(), P("dp")), out_specs=P())(p, x)
+    g, value = torch.func.grad_and_value(lambda w: loss({"w": w, "b": None}, x, scale=2.0))(p["w"])
+    torch.testing.assert_close(got[0], value)
+    assert got[1]["b"] is None and list(got[1]) == ["w", "b"]
+    torch.testing.assert_close(got[1]["w"], g)
+
+
+def test_match_specs_names_namedtuple_fields() -> None:
+    import collections
+
+    pair = collections.namedtuple("pair", "w b")
+    x = torch.ones(4)
+    assert shardspec.match_specs(pair(x, x), [(r"^w$", P("dp"))], default=P()) == pair(P("dp"), P())
+
+
+def test_a_nested_step_called_with_too_few_arguments_says_so() -> None:
+    mesh = Mesh({"dp": 2}, simulate=True)
+    inner = sharded(lambda a, b: a + b, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P("dp"))
+    outer = sharded(lambda z: inner(z), mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(
+        shardspec.ShardingError, match=r"in_specs has 2 entries but .* called with 1 arguments"
+    ):
+        outer(torch.ones(4))

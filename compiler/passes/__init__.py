@@ -54,7 +54,7 @@ from compiler.passes.regather import candidates, mark_backward, regather, regath
 from compiler.passes.remat import Regions, remat, remat_
 from compiler.passes.slice_early import slice_early, slice_early_
 from compiler.passes.views import dense_kernel_inputs_, dense_results, dense_results_, views, views_
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 NAMES = ("views", "remat", "regather", "cast", "bucket", "inplace", "overlap")
@@ -89,7 +89,7 @@ def options(spec: Any) -> PassOptions:
         dtype = spec.get("reduce_dtype")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise fail(
-                f"sharded(passes={{'reduce_dtype': {dtype!r}}}) is not a floating dtype.",
+                f"sharded(passes={{'reduce_dtype': {shown(dtype)}}}) is not a floating dtype.",
                 "use torch.bfloat16 (half the bytes), torch.float32 (sums without bf16 rounding), "
                 "or None (reduce gradients in the dtype they are computed in).",
             )
@@ -102,7 +102,7 @@ def options(spec: Any) -> PassOptions:
                 continue
             if _byte_count(size) is None:
                 raise fail(
-                    f"sharded(passes={{{key!r}: {size!r}}}) is not a number of bytes.",
+                    f"sharded(passes={{{key!r}: {shown(size)}}}) is not a number of bytes.",
                     f"give {key} as a number of bytes, e.g. 25 * 2**20 for 25 MiB"
                     + (", or None for the default" if key == "zero_bucket_bytes" else "")
                     + ".",
@@ -116,10 +116,16 @@ def options(spec: Any) -> PassOptions:
         if not unknown:
             on: dict[str, Any] = {name: name in spec for name in NAMES}
             return PassOptions(**on)
+    elif isinstance(spec, str) and spec in NAMES:
+        raise fail(
+            f"sharded(passes={spec!r}) is one name, not the set of passes to run.",
+            f"pass a sequence of names, passes=[{spec!r}] (only that pass on), or a mapping, "
+            f"passes={{{spec!r}: False}} (every default but that one).",
+        )
     else:
         unknown = {spec}
     raise fail(
-        f"sharded(passes={spec!r}) names no pass option ({sorted(map(str, unknown))}).",
+        f"sharded(passes={shown(spec)}) names no pass option ({sorted(map(shown, unknown))}).",
         f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
         "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes', 'reduce_dtype', 'pack_early' and "
         "'memory_budget').",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 
 def fewest_regathers(budget: int, candidates: int, peak: Callable[[int], int]) -> int:
@@ -58,7 +58,7 @@ def check_budget(budget: object) -> int | None:
         return None
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise fail(
-            f"sharded(memory_budget={budget!r}) is not a positive number of bytes per rank.",
+            f"sharded(memory_budget={shown(budget)}) is not a positive number of bytes per rank.",
             "pass the bytes one rank may hold at its peak, e.g. memory_budget=8 * 2**30 (8 GiB), "
             "or None for the default schedule.",
         )
