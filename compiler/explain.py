@@ -138,10 +138,22 @@ class _Namer:
                 while reader.target in _RESHAPES and len(reader.users) == 1:
                     reader = next(iter(reader.users))
                 if reader.op != "output":  # (a gradient the step returns: as it is)
-                    found = [r for r in found if r in self.roots([reader])]
+                    # the update reading it (past reshapes), else one a few ops on (p - lr * g)
+                    near = [r for r in found if r in self.roots([reader])]
+                    found = near or [r for r in found if r in self.roots(self.downstream(reader))]
             if len(found) == 1:
                 return self.paths[found[0]]
         return None
+
+    def downstream(self, n: Node, depth: int = 4) -> list[Node]:
+        """The ops within ``depth`` steps after ``n`` (an update ``p - lr * g`` reads the
+        parameter two ops on)."""
+        seen: list[Node] = []
+        frontier = [n]
+        for _ in range(depth):
+            frontier = [u for f in frontier for u in f.users if u.op == "call_function" and u not in seen]
+            seen += frontier
+        return seen
 
     def op(self, n: Node) -> str:
         """The op as a user writes it (``mm`` -> ``matmul``, ``_to_copy`` -> ``cast``)."""
@@ -206,6 +218,11 @@ def _item(namer: _Namer, c: Inserted, launch: int) -> Item:
             why = f"stored split ({layout}); {needed} reads it whole{again}"
         else:
             why = f"passed as {layout}; {needed} needs it laid out differently"
+        return Item(c.kind, c.axes, line, what, why, c.shape, c.dtype, launch)
+    root = namer.root_input(value)
+    if root is not None and c.kind == "all_gather":  # an argument through views (F.linear's w.t())
+        why = f"{namer.paths[root]} is stored split; {needed} reads it whole{again}"
+        what = f"{namer.paths[root]} (via {namer.op(value)})"
         return Item(c.kind, c.axes, line, what, why, c.shape, c.dtype, launch)
     if src.startswith(_BACKWARD):
         forward = src[len(_BACKWARD) :]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 
+import shardspec
 from compiler.explain import human_bytes, ring_all_reduce_bytes
 from examples.models import gpt, mlp
 from examples.train_gpt import OPT, batch, make_step, strategy_specs
@@ -149,3 +151,31 @@ def test_a_bias_gradient_reshaped_to_the_parameter_is_named_as_its_gradient():
     s = sharded(step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(spec, P("dp")), out_specs=(P(), spec))
     text = s.lower(p, x).explain()
     assert "reduce_scatter over dp: gradient of p['b']" in text
+
+
+def test_zero3_linear_weights_are_named_through_views_and_sgd_grads_by_parameter() -> None:
+    """F.linear reads w.t(): its ZeRO-3 gather is the parameter's, not "the t result"; a bias
+    gradient reshaped and scaled (p - lr * g) is still that bias's gradient."""
+    g = torch.Generator().manual_seed(0)
+    p = {
+        "w1": torch.randn(10, 8, generator=g),
+        "b1": torch.randn(10, generator=g),
+        "w2": torch.randn(5, 10, generator=g),
+    }
+    x, y = torch.randn(12, 8, generator=g), torch.randint(0, 5, (12,), generator=g)
+
+    def loss_fn(p, x, y):
+        return F.cross_entropy(F.linear(F.gelu(F.linear(x, p["w1"], p["b1"])), p["w2"]), y)
+
+    def step(p, x, y):
+        loss, grads = shardspec.value_and_grad(loss_fn)(p, x, y)
+        return {k: p[k] - 0.1 * grads[k] for k in p}, loss
+
+    spec = {k: P("dp") for k in p}
+    f = sharded(
+        step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(spec, P("dp"), P("dp")), out_specs=(spec, P())
+    )
+    text = f.lower(p, x, y).explain()
+    assert "all_gather over dp: p['w1'] (via t)" in text and "the t result" not in text
+    for name in p:
+        assert f"reduce_scatter over dp: gradient of p['{name}']" in text

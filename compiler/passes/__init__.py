@@ -91,7 +91,8 @@ def options(spec: Any) -> PassOptions:
             raise fail(
                 f"sharded(passes={{'reduce_dtype': {shown(dtype)}}}) is not a floating dtype.",
                 "use torch.bfloat16 (half the bytes), torch.float32 (sums without bf16 rounding), "
-                "or None (reduce gradients in the dtype they are computed in).",
+                "or None (each gradient reduced where its sum is placed, in that value's dtype: after an "
+                "upcast for the update, in fp32).",
             )
         if "memory_budget" in spec:
             check_budget(spec["memory_budget"])
