@@ -242,10 +242,13 @@ def propagate(
     grows, so the passes converge.
     """
     hint: set[Node] = set()
+    rules: dict[Node, Any] = {}  # what the hint cannot change, shared by the passes: each op's
+    plans: dict[tuple[Any, ...], list[Step]] = {}  # registered rule, and the collectives of a move
     for _ in range(max_passes):
         p = _Propagator(graph, inputs, outputs, mesh, unsupported, strict)
-        p.partial_hint = hint
+        p.partial_hint, p.rules, p.plans = hint, dict(rules), plans
         result = p.run()
+        rules = {n: r for n, r in p.rules.items() if n not in p.fallbacks}  # (each pass notes those)
         now = hint | {n for n, s in result.value.items() if isinstance(s, Sharding) and s.partial}
         if now == hint:
             break

@@ -125,6 +125,7 @@ class PropagatorBase:
         self.memo: set[tuple[Node, Sharding]] = set()
         self.moved: dict[Node, list[Sharding]] = {}  # value -> the layouts memo moved it to
         self.rules: dict[Node, tuple[Rule, list[Node]]] = {}
+        self.fallbacks: set[Node] = set()  # ops without a rule, run replicated (unsupported=)
         self.partial_hint: set[Node] = set()  # values that ended Partial in the previous pass
         self.reduce_now: dict[tuple[Node, Node], bool] = {}  # (pending value, consumer) -> reduce?
         self.plans: dict[tuple[Any, ...], list[Step]] = {}  # (shape, dtype, src, dst) -> collectives
@@ -153,6 +154,7 @@ class PropagatorBase:
                     stacklevel=2,
                 )
                 self.rules[node] = _replicate_rule(node)
+                self.fallbacks.add(node)
                 self.result.notes.append(f"replicated fallback for {node.target} ({source_of(node)})")
         return self.rules[node]
 
