@@ -89,7 +89,6 @@ class ShardedFunction:
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.unsupported = unsupported
         self._cache: dict[Any, Program] = {}
-        self._bound: weakref.WeakKeyDictionary[Any, ShardedFunction] = weakref.WeakKeyDictionary()
         self._plans: dict[int, _RealPlan] = {}  # per program: per-call metadata and its digest
         self._values_checked: set[tuple[int, tuple[bool, ...]]] = set()
         self._small: dict[tuple[int, tuple[bool, ...]], tuple[int, ...]] = {}  # per program and call kind
@@ -103,13 +102,13 @@ class ShardedFunction:
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """``@sharded`` on a method: the step of ``obj``'s bound method (its attributes are closed
-        over, as constants), one per instance so each keeps its compiled programs."""
+        over, as constants), kept in the instance's ``__dict__`` so each instance compiles once
+        and is freed with it (as ``functools.cached_property`` keeps its values)."""
         if obj is None:
             return self
-        try:
-            bound: ShardedFunction | None = self._bound.get(obj)
-        except TypeError:  # not weak-referenceable: a step per access (compiled again each time)
-            bound = None
+        slot = f"_shardspec_step_{self.__name__}_{id(self):x}"
+        held = getattr(obj, "__dict__", None)
+        bound = held.get(slot) if held is not None else None
         if bound is None:
             bound = ShardedFunction(
                 types.MethodType(self.fn, obj),
@@ -126,8 +125,9 @@ class ShardedFunction:
                 self.cost_model,
                 self.backend,
             )
-            with contextlib.suppress(TypeError):
-                self._bound[obj] = bound
+            bound._identity = self._identity  # the method's own line, on every rank
+            if held is not None:
+                held[slot] = bound
         return bound
 
     def _program(self, args: tuple[Any, ...]) -> tuple[Program, tuple[Any, ...]]:

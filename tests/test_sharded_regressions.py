@@ -399,6 +399,13 @@ def test_sharded_on_a_method_binds_self_and_keeps_a_program_per_instance() -> No
     torch.testing.assert_close(a.forward(x), x @ a.w)
     torch.testing.assert_close(b.forward(x), x @ b.w)  # b's own weights, not a's program
     assert a.forward is a.forward
+    import gc
+    import weakref
+
+    gone = weakref.ref(a)
+    del a
+    gc.collect()
+    assert gone() is None  # the instance's step does not keep it alive
 
 
 def test_value_and_grad_takes_keyword_arguments_and_none_leaves_as_torch_func_does() -> None:
