@@ -108,6 +108,12 @@ def value_and_grad(
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = next(_CALLS)
         _check_differentiable(nums, argnums, args)
+        if batches is not None and (both := {n % len(args) for n in nums} & {b % len(args) for b in batches}):
+            raise fail(
+                f"value_and_grad(argnums={argnums!r}, batch_argnums={batch_argnums!r}): argument(s) "
+                f"{sorted(both)} are both differentiated and split into microbatches.",
+                "list in batch_argnums only the batch arguments (inputs, labels), not the parameters.",
+            )
         if microbatches is None or microbatches == 1:
             grads, value = differentiate(0, call, args, kwargs)
             return (_with_aux(value, aux_trees) if has_aux else value), grads
@@ -128,9 +134,16 @@ def value_and_grad(
                 chunks.append([a] * microbatches)  # differentiated, or the same for every example
                 continue
             chunks.append(_split(a, microbatches, i))
+        # keyword arguments are batches by default too (never differentiated); with batch_argnums,
+        # which names positions, they go whole to every chunk
+        kw_chunks = [dict(kwargs) for _ in range(microbatches)]
+        if batches is None:
+            for name, a in kwargs.items():
+                for k, piece in enumerate(_split(a, microbatches, name)):
+                    kw_chunks[k][name] = piece
         total_loss, total_grads, auxes = None, None, []
         for k in range(microbatches):
-            grads, value = differentiate(k, call, tuple(c[k] for c in chunks), kwargs)
+            grads, value = differentiate(k, call, tuple(c[k] for c in chunks), kw_chunks[k])
             loss = value[0] if has_aux else value
             if has_aux:
                 auxes.append(_with_aux(value, aux_trees)[1])
@@ -220,7 +233,7 @@ def _labelled(
         return grad_fn(*args, **kwargs)
 
 
-def _split(arg: Any, m: int, position: int) -> list[Any]:
+def _split(arg: Any, m: int, position: int | str) -> list[Any]:
     leaves, tree = optree.tree_flatten(arg, none_is_leaf=False)
     per_leaf = []
     for leaf in leaves:

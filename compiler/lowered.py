@@ -149,9 +149,11 @@ class Lowered:
             sent = self._launch_bytes(launch)
             by_kind[launch[0].kind] = by_kind.get(launch[0].kind, 0.0) + sent
             total += sent
-        peak = self.peak_memory()
+        # the busiest rank's: a pipeline position, or an uneven layout's larger blocks
+        firsts = list({id(gm): r for r, gm in reversed(list(enumerate(self.program.programs)))}.values())
+        peak = max(self.peak_memory(r) for r in firsts)
         carried, grads, compute = model_state(self.program)
-        acts = self.activation_peak()
+        acts = max(self.activation_peak(r) for r in firsts)
         from compiler.plan.report import modeled_seconds
 
         comm_s, compute_s = modeled_seconds(

@@ -33,6 +33,13 @@ from shardspec.spec import P
 _TRACING: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("shardspec_tracing", default=None)
 
 
+def _defined_in_a_class(fn: Any) -> bool:
+    """Whether ``fn`` was written in a class body (``Model.forward``), so that ``@sharded`` on it
+    makes a method taking ``self``; a function defined elsewhere and stored on a class is not."""
+    parts = getattr(fn, "__qualname__", "").split(".")
+    return len(parts) > 1 and parts[-2] != "<locals>"
+
+
 class ShardedFunction:
     """A step compiled for a mesh and specs: call it like the function; ``lower`` shows the plan."""
 
@@ -104,8 +111,8 @@ class ShardedFunction:
         """``@sharded`` on a method: the step of ``obj``'s bound method (its attributes are closed
         over, as constants), kept in the instance's ``__dict__`` so each instance compiles once
         and is freed with it (as ``functools.cached_property`` keeps its values)."""
-        if obj is None:
-            return self
+        if obj is None or not _defined_in_a_class(self.fn):
+            return self  # a step kept as a class attribute (step = sharded(train_step, ...))
         slot = f"_shardspec_step_{self.__name__}_{id(self):x}"
         held = getattr(obj, "__dict__", None)
         bound = held.get(slot) if held is not None else None

@@ -60,7 +60,7 @@ def fold_in(key: torch.Tensor, data: int | torch.Tensor) -> torch.Tensor:
     from compiler.random import _M32, _hash
 
     key = as_key(key, "fold_in(key, ...)")
-    d = as_key(data, "fold_in(..., data)", "data")
+    d = as_key(data, "fold_in(..., data)", "data").to(torch.int64)  # (an int32 step counter too)
     low = _hash(torch.remainder(key.to(torch.int64), _M32) ^ _hash(torch.remainder(d, _M32)))
     return _hash(low ^ torch.div(key.to(torch.int64), _M32, rounding_mode="floor")) + _M32 * torch.remainder(
         torch.div(d, _M32, rounding_mode="floor"), _M32

@@ -452,7 +452,8 @@ def test_remat_inside_a_pipeline_lowers_each_stage_activations(schedule):
     with_remat = run.lower(*args).cost()
     without = plain.lower(*args).cost()
     assert with_remat.activation_peak_bytes_per_rank < 0.35 * without.activation_peak_bytes_per_rank
-    assert with_remat.peak_memory_bytes_per_rank == _measured_peak(run, args)
+    assert run.lower(*args).peak_memory(0) == _measured_peak(run, args)  # (rank 0's, measured)
+    assert with_remat.peak_memory_bytes_per_rank >= run.lower(*args).peak_memory(0)  # the busiest
     _close(run(*args)[2:], step(*args)[2:])
 
 
@@ -481,3 +482,9 @@ def _pp2_gradients(loss_fn):
         out_specs=P(),
         pipeline=Pipeline("pp"),
     )
+
+
+def test_cost_reports_the_busiest_position_peak() -> None:
+    params, state, x, y, step = _setup()
+    low = _compiled(step, params, {"pp": 2}, Pipeline("pp", "gpipe")).lower(params, state, x, y)
+    assert low.cost().peak_memory_bytes_per_rank == max(low.peak_memory(r) for r in range(2))

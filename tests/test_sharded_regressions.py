@@ -441,3 +441,48 @@ def test_a_nested_step_called_with_too_few_arguments_says_so() -> None:
         shardspec.ShardingError, match=r"in_specs has 2 entries but .* called with 1 arguments"
     ):
         outer(torch.ones(4))
+
+
+def test_a_step_kept_as_a_class_attribute_is_not_bound_and_equal_instances_keep_their_own() -> None:
+    import dataclasses
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+
+    def train_step(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x @ w
+
+    class Trainer:
+        step = sharded(train_step, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P("dp"))
+
+    w, x = torch.randn(6, 3), torch.randn(8, 6)
+    torch.testing.assert_close(Trainer().step(w, x), x @ w)
+
+    @dataclasses.dataclass(frozen=True)
+    class Layer:
+        name: str
+        w: torch.Tensor = dataclasses.field(compare=False)
+
+        @sharded(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    a, b = Layer("proj", torch.randn(6, 3)), Layer("proj", torch.randn(6, 3))  # equal, by name
+    torch.testing.assert_close(a.forward(x), x @ a.w)
+    torch.testing.assert_close(b.forward(x), x @ b.w)
+
+
+def test_value_and_grad_splits_keyword_batches_into_microbatches() -> None:
+    def loss_fn(w: torch.Tensor, x: torch.Tensor, *, y: torch.Tensor) -> torch.Tensor:
+        return ((x @ w - y) ** 2).mean()
+
+    w, x, y = torch.randn(6), torch.randn(8, 6), torch.randn(8)
+    want = shardspec.value_and_grad(loss_fn)(w, x, y=y)
+    step = sharded(
+        lambda w, x, y: shardspec.value_and_grad(loss_fn, microbatches=4)(w, x, y=y),
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(P(), P("dp"), P("dp")),
+        out_specs=P(),
+    )
+    got = step(w, x, y)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
