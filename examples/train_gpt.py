@@ -172,7 +172,7 @@ def _default_mesh(strategy: str) -> dict[str, int]:
     if world == 0:
         return {"dp": 2, "tp": 2}
     if "tp" in strategy and world % 2 == 0:
-        return {"dp": world // 2, "tp": 2} if world > 2 else {"tp": 2}
+        return {"dp": world // 2, "tp": 2}  # dp=1 at world 2: dp-tp and zero3-tp name the axis
     return {"dp": world}
 
 

@@ -40,9 +40,10 @@ from shardspec.checkpoint_files import (
     read_meta,
     recover,
     resolve,
+    save_lock,
     write_atomic,
 )
-from shardspec.errors import ShardingError, fail
+from shardspec.errors import ShardingError, fail, shown
 from shardspec.layout import check_spec, local_shape
 from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
@@ -183,9 +184,10 @@ def save(
             f"checkpoint.save(step={step!r}): step must be a non-negative int.",
             "pass the number of training steps done, e.g. step=100.",
         )
-    if keep is not None and keep < 1:
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise fail(
-            f"checkpoint.save(keep={keep!r}): at least the new checkpoint must be kept.",
+            f"checkpoint.save(keep={shown(keep)}): keep is how many checkpoints stay, an int >= 1 "
+            "(the new one included).",
             "pass keep >= 1, or keep=None to keep every checkpoint.",
         )
     root = Path(path)
@@ -203,13 +205,33 @@ def save(
     tmp = root / f"{TMP}{step:08d}"
 
     problem = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            recover(root)
-            tmp.mkdir()
-        except OSError as exc:
-            problem = f"cannot prepare {tmp}: {exc}"
+    with contextlib.ExitStack() as held:
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                held.enter_context(save_lock(root, timeout))
+                recover(root)
+                tmp.mkdir()
+            except OSError as exc:
+                problem = f"cannot prepare {tmp}: {exc}"
+            except ShardingError as exc:
+                problem = str(exc).split("\nFix: ")[0].removeprefix("checkpoint.save: ").rstrip(".")
+        return _write(root, tmp, name, step, keep, rank, paths, leaves, records, problem)
+
+
+def _write(
+    root: Path,
+    tmp: Path,
+    name: str,
+    step: int,
+    keep: int | None,
+    rank: int,
+    paths: list[str],
+    leaves: list[Any],
+    records: list[dict[str, Any]],
+    problem: str | None,
+) -> Path:
+    """The rest of ``save`` (under its lock on rank 0): every rank's data, then rank 0 publishes."""
     problem = _agree(problem)
     if problem is not None:
         raise fail(f"checkpoint.save: {problem}.", f"make {root} a writable directory.")
@@ -248,7 +270,13 @@ def _rng_state() -> dict[str, Any]:
 def _restore_rng(ckpt: Path) -> None:
     """Each rank takes the state its rank saved; ranks beyond the saved world take rank 0's."""
     own = ckpt / f"rng-{_rank()}.pt"
-    state = torch.load(own if own.exists() else ckpt / "rng-0.pt", weights_only=True)
+    try:
+        state = torch.load(own if own.exists() else ckpt / "rng-0.pt", weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise fail(
+            f"checkpoint.load(restore_rng=True): cannot read the RNG state in {ckpt} ({exc}).",
+            "load with restore_rng=False, or from another checkpoint.",
+        ) from None
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -287,6 +315,11 @@ def load(
             "checkpoint, or save again"
         )
         raise fail(f"checkpoint.load: {error}.", fix + ".")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise fail(
+            f"checkpoint.load(mesh=...) needs a shardspec.Mesh, got {type(mesh).__name__}.",
+            "pass the mesh the step runs on (Mesh({'dp': 2}) under torchrun), or None for full tensors.",
+        )
     meta = read_meta(ckpt)
     paths, leaves, treespec = _flatten(like)
     saved = {r["path"]: r for r in meta["leaves"]}

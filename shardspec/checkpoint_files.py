@@ -24,6 +24,7 @@ from shardspec.errors import fail
 META = "shardspec.json"
 FORMAT = "shardspec-checkpoint/1"
 LATEST = "latest"
+LOCK = ".save-lock"
 PREFIX, TMP, OLD = "step-", ".tmp-step-", ".old-step-"
 
 
@@ -61,6 +62,33 @@ def recover(root: Path) -> None:
         shutil.rmtree(stale)
 
 
+@contextlib.contextmanager
+def save_lock(root: Path, timeout: float) -> Iterator[None]:
+    """One save at a time under ``root`` (another process's, or another thread's): a save clears
+    the temporary directories crashed saves left, which would delete one still being written."""
+    import fcntl
+    import time
+
+    with open(root / LOCK, "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise fail(
+                        f"checkpoint.save: another save has been writing under {root} for over "
+                        f"{timeout:.0f} s.",
+                        "let it finish, or save to another directory.",
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def publish(root: Path, tmp: Path, name: str, keep: int | None) -> None:
     final = root / name
     if final.exists():  # saving the same step again: the new data wins
@@ -83,13 +111,17 @@ def _step_of(d: Path) -> int:
 
 
 def _missing(d: Path) -> list[str]:
-    """What a complete checkpoint has that ``d`` lacks (empty when complete)."""
+    """What a complete checkpoint has that ``d`` lacks (empty when complete): DCP's metadata, the
+    tree record with its completion mark, and every saving rank's RNG state."""
     missing = [f for f in (".metadata", META) if not (d / f).is_file()]
     if not missing:
         try:
-            if json.loads((d / META).read_text()).get("complete") is not True:
+            meta = json.loads((d / META).read_text())
+            if meta.get("complete") is not True:
                 missing.append("the completion mark in " + META)
-        except (OSError, ValueError):
+            world = int(meta.get("world_size", 1))
+            missing += [f"rng-{r}.pt" for r in range(world) if not (d / f"rng-{r}.pt").is_file()]
+        except (OSError, ValueError, TypeError, AttributeError):
             missing.append("a readable " + META)
     return missing
 
@@ -112,9 +144,9 @@ def resolve(path: Path) -> tuple[Path | None, str | None, str]:
             return path, None, ""
         return None, f"checkpoint {path} is incomplete: it lacks {', '.join(missing)}", "incomplete"
     pointer = path / LATEST
-    if pointer.is_file():
+    with contextlib.suppress(OSError, ValueError):  # a damaged pointer: the newest complete step
         named = path / pointer.read_text().strip()
-        if named.is_dir() and not _missing(named):
+        if named.name and named.is_dir() and not _missing(named):
             return named, None, ""
     complete = _complete_dirs(path)
     aside = [d for d in path.glob(OLD + "*") if not _missing(d)]  # a re-save crashed mid-rename

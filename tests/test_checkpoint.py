@@ -19,10 +19,16 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from shardspec import Mesh, P, ShardingError, checkpoint
+from shardspec.checkpoint_files import LOCK
 from shardspec.testing import run_distributed
 from tests import _ckpt_fns as fns
 
 A_STEPS, B_STEPS = 3, 6
+
+
+def _names(root):
+    """The root's entries, but the save lock."""
+    return sorted(p.name for p in root.iterdir() if p.name != LOCK)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,7 +126,7 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     # the next save clears the debris and publishes; the previous checkpoint is kept (keep=2)
     checkpoint.save(tmp_path, _tree(2.0), step=2)
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = _names(tmp_path)
     assert names == ["latest", "step-00000001", "step-00000002"]
     assert checkpoint.load(tmp_path, like=_tree()).step == 2
     checkpoint.save(tmp_path, _tree(3.0), step=3)
@@ -133,7 +139,11 @@ def test_exception_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     # saving a step again replaces it
     checkpoint.save(tmp_path, _tree(4.0), step=3)
     _assert_same(checkpoint.load(tmp_path, like=_tree()).tree, _tree(4.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002", "step-00000003"]
+    assert _names(tmp_path) == [
+        "latest",
+        "step-00000002",
+        "step-00000003",
+    ]
 
 
 def _save_then_die(root: str) -> None:
@@ -256,7 +266,7 @@ def test_ranks_that_disagree_get_the_same_error_and_nothing_is_written(tmp_path)
         assert "tree['w'] is a object" in r["all save"], r["all save"]
     assert "rank(s) [1] rejected their arguments" in results[0]["load"], results[0]["load"]
     assert "have different trees; in like but not in the checkpoint: tree['v']" in results[1]["load"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+    assert _names(tmp_path) == ["latest", "step-00000002"]
 
 
 def test_a_resave_that_crashes_between_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
@@ -277,7 +287,11 @@ def test_a_resave_that_crashes_between_renames_keeps_the_old_checkpoint(tmp_path
     # the old step 1 is complete, only moved aside: it still loads, and the next save restores it
     _assert_same(checkpoint.load(tmp_path, like=_tree()).tree, _tree(1.0))
     checkpoint.save(tmp_path, _tree(3.0), step=2, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+    assert _names(tmp_path) == [
+        "latest",
+        "step-00000001",
+        "step-00000002",
+    ]
 
 
 def test_spec_mismatch_message_has_no_values(tmp_path):
@@ -298,3 +312,44 @@ def test_dict_specs_match_an_ordered_dict_by_key(tmp_path):
     mesh = Mesh({"tp": 2}, simulate=True)
     got = checkpoint.load(tmp_path, like=tree, specs={"weight": P(None, "tp"), "bias": P("tp")}, mesh=mesh)
     _assert_same(got.tree, tree)
+
+
+def test_concurrent_saves_into_one_root_both_land_intact(tmp_path):
+    """A save clears what crashed saves left: without the save lock it deleted another save's
+    directory while that was being written, and returned an incomplete checkpoint."""
+    import threading
+
+    errors = []
+
+    def save(step):
+        try:
+            checkpoint.save(tmp_path, _tree(float(step)), step=step, keep=None)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    for trial in range(6):
+        steps = (2 * trial + 1, 2 * trial + 2)
+        threads = [threading.Thread(target=save, args=(s,)) for s in steps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in steps:
+            _assert_same(checkpoint.load(tmp_path / f"step-{s:08d}", like=_tree()).tree, _tree(float(s)))
+    assert not errors
+
+
+def test_damaged_checkpoints_are_reported_not_crashed_on(tmp_path):
+    import os
+
+    first = checkpoint.save(tmp_path, _tree(1.0), step=1)
+    second = checkpoint.save(tmp_path, _tree(2.0), step=2)
+    os.remove(second / "rng-0.pt")  # a checkpoint without a rank's RNG state is not complete
+    assert checkpoint.find(tmp_path) == first
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00")  # a damaged pointer: the newest complete
+    assert checkpoint.find(tmp_path) == first
+    with pytest.raises(ShardingError, match=r"keep=1.5"):
+        checkpoint.save(tmp_path, _tree(3.0), step=3, keep=1.5)
+    assert not (tmp_path / "step-00000003").exists()  # refused before anything was written
+    with pytest.raises(ShardingError, match=r"needs a shardspec\.Mesh"):
+        checkpoint.load(tmp_path, like=_tree(), mesh="dp=2")
