@@ -30,7 +30,7 @@ import torch.fx.traceback as fxt
 from torch.overrides import TorchFunctionMode
 
 from compiler.sources import source_of, user_frame
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 REGION = "shardspec_remat"  # node meta["custom"]: the region id
 POLICY = "shardspec_remat_policy"
@@ -59,7 +59,7 @@ def remat(fn: Callable[..., Any] | None = None, *, policy: Policy = None) -> Any
     """
     if policy is not None and not callable(policy) and policy not in _POLICIES:
         raise fail(
-            f"remat(policy={policy!r}) is not a policy.",
+            f"remat(policy={shown(policy)}) is not a policy.",
             f"use None (recompute everything), one of {sorted(_POLICIES)}, or a callable "
             "policy(op) -> bool that returns True for the ATen ops whose results are kept.",
         )

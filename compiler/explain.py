@@ -240,12 +240,38 @@ def _item(namer: _Namer, c: Inserted, launch: int) -> Item:
         return Item(c.kind, c.axes, forward, what, why, c.shape, c.dtype, launch)
     shape = tuple(value.meta["val"].shape)
     what = f"the {namer.op(value)} result" + (f" {shape}" if shape else " (a scalar)")
+    grad = _scaled_gradient(value)  # an update's lr * g, reduced after the scaling
+    if grad is not None:
+        param = namer.parameter_of(grad, source_of(grad)[len(_BACKWARD) :], consumer)
+        what = f"gradient of {param} (after its {namer.op(value)} by a number)" if param else what
     if current is not None and current.partial and c.kind in ("all_reduce", "reduce_scatter"):
         why = f"a partial sum over {over} (each device summed its own block); {needed} needs the total"
         return Item(c.kind, c.axes, src or line, what, why, c.shape, c.dtype, launch)
     verb = {"all_gather": "whole", "all_to_all": "split along another dim"}.get(c.kind, "moved")
     why = f"it is {layout}; {needed} needs it {verb}"
     return Item(c.kind, c.axes, line, what, why, c.shape, c.dtype, launch)
+
+
+def _scaled_gradient(value: Node) -> Node | None:
+    """The backward value ``value`` scales by a number (``lr * g``, ``g / k``), if it does."""
+    n = value
+    for _ in range(4):
+        if n.op != "call_function" or len(n.all_input_nodes) != 1 or n.target not in _SCALINGS:
+            return None
+        n = n.all_input_nodes[0]
+        if source_of(n).startswith(_BACKWARD):
+            return n
+    return None
+
+
+_SCALINGS = {
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.div.Tensor,
+    torch.ops.aten.neg.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+    *_RESHAPES,
+}
 
 
 def launch_bytes(launch: Sequence[Inserted], n: int) -> float:

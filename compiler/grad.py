@@ -11,7 +11,7 @@ import torch
 import torch.fx.traceback as fxt
 
 from compiler.pipeline.boundary import cuts_from_zero
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 MICROBATCH = "shardspec_microbatch"  # key in a traced node's meta["custom"]: which microbatch made it
 CALL = "shardspec_grad_call"  # ... and which value_and_grad call (a pipeline schedules exactly one)
@@ -54,7 +54,7 @@ def value_and_grad(
     batches = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
     if batches is not None and set(batches) & set(nums):
         raise fail(
-            f"value_and_grad(argnums={argnums!r}, batch_argnums={batch_argnums!r}): argument(s) "
+            f"value_and_grad(argnums={shown(argnums)}, batch_argnums={shown(batch_argnums)}): argument(s) "
             f"{sorted(set(batches) & set(nums))} are both differentiated and split into microbatches.",
             "list in batch_argnums only the batch arguments (inputs, labels), not the parameters.",
         )
@@ -110,8 +110,8 @@ def value_and_grad(
         _check_differentiable(nums, argnums, args)
         if batches is not None and (both := {n % len(args) for n in nums} & {b % len(args) for b in batches}):
             raise fail(
-                f"value_and_grad(argnums={argnums!r}, batch_argnums={batch_argnums!r}): argument(s) "
-                f"{sorted(both)} are both differentiated and split into microbatches.",
+                f"value_and_grad(argnums={shown(argnums)}, batch_argnums={shown(batch_argnums)}): "
+                f"argument(s) {sorted(both)} are both differentiated and split into microbatches.",
                 "list in batch_argnums only the batch arguments (inputs, labels), not the parameters.",
             )
         if microbatches is None or microbatches == 1:
@@ -119,12 +119,12 @@ def value_and_grad(
             return (_with_aux(value, aux_trees) if has_aux else value), grads
         if not isinstance(microbatches, int) or microbatches < 1:
             raise fail(
-                f"value_and_grad(microbatches={microbatches!r}) must be a positive int.",
+                f"value_and_grad(microbatches={shown(microbatches)}) must be a positive int.",
                 "pass the number of chunks to split the batch into.",
             )
         if batches is not None and (bad := [b for b in batches if not 0 <= b < len(args)]):
             raise fail(
-                f"value_and_grad(batch_argnums={batch_argnums!r}) names argument(s) {bad}, but the "
+                f"value_and_grad(batch_argnums={shown(batch_argnums)}) names argument(s) {bad}, but the "
                 f"function was called with {len(args)} argument(s).",
                 f"name positions 0 to {len(args) - 1} (the batch arguments).",
             )
@@ -200,7 +200,7 @@ def _check_differentiable(nums: tuple[int, ...], argnums: Any, args: tuple[Any, 
     """The differentiated arguments exist and hold floating-point tensors only."""
     if bad := [n for n in nums if not isinstance(n, int) or not -len(args) <= n < len(args)]:
         raise fail(
-            f"value_and_grad(argnums={argnums!r}) names argument(s) {bad}, but the function was "
+            f"value_and_grad(argnums={shown(argnums)}) names argument(s) {bad}, but the function was "
             f"called with {len(args)} argument(s).",
             f"name positions 0 to {len(args) - 1} (the arguments to differentiate, e.g. the parameters).",
         )

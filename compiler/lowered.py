@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from collectives import accounting
+from collectives.ops import fake_rank
 from compiler.passes import liveness
 from compiler.passes.cast import AGAIN as CAST
 from compiler.passes.graph import LAUNCHES
@@ -209,7 +210,8 @@ class Lowered:
             mode.from_tensor(torch.empty(local_shape(i.shape, p.mesh, s, rank), dtype=i.dtype))
             for i, s in zip(p.traced.inputs, p.in_specs, strict=True)
         ]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        with fake_rank(rank):  # collectives give this rank's blocks (an uneven layout's)
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
         return liveness.curve(gm, only)
 
     def pipeline_schedule(self) -> PipelineSchedule:

@@ -345,7 +345,7 @@ def _seconds(timeout: Any) -> float:
         seconds = float("nan")
     if isinstance(timeout, (bool, str)) or not seconds > 0:
         raise fail(
-            f"sharded(timeout={timeout!r}) is not a positive number of seconds.",
+            f"sharded(timeout={shown(timeout)}) is not a positive number of seconds.",
             "pass how long a rank may wait for the others, e.g. timeout=600 (the default), or None.",
         )
     return min(seconds, FOREVER)

@@ -181,7 +181,7 @@ def save(
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise fail(
-            f"checkpoint.save(step={step!r}): step must be a non-negative int.",
+            f"checkpoint.save(step={shown(step)}): step must be a non-negative int.",
             "pass the number of training steps done, e.g. step=100.",
         )
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):

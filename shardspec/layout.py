@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardspec.errors import ShardingError, fail
+from shardspec.errors import ShardingError, fail, shown
 from shardspec.mesh import Mesh
 from shardspec.spec import P
 
@@ -49,8 +49,8 @@ def check_spec(
     """
     if not isinstance(spec, P):
         raise fail(
-            f"{name}: expected a partition spec P(...), got {spec!r} of type {type(spec).__name__}.",
-            f"wrap it: P({spec!r})"
+            f"{name}: expected a partition spec P(...), got {shown(spec)} of type {type(spec).__name__}.",
+            f"wrap it: P({shown(spec)})"
             if isinstance(spec, str)
             else "write P('dp', None), P() for replicated, etc.",
         )

@@ -159,14 +159,14 @@ class Mesh:
         rank = 0
         if missing := [n for n, _ in self._axes if n not in coords]:
             raise fail(
-                f"Mesh.rank_of({dict(coords)!r}): no coordinate for axis/axes {missing}.",
+                f"Mesh.rank_of({shown(dict(coords))}): no coordinate for axis/axes {missing}.",
                 f"give one coordinate per axis of {self.describe()}.",
             )
         for name, size in self._axes:
             c = coords[name]
             if not 0 <= c < size:
                 raise fail(
-                    f"Mesh.rank_of({dict(coords)!r}): coordinate {c} is outside axis "
+                    f"Mesh.rank_of({shown(dict(coords))}): coordinate {c} is outside axis "
                     f"{name!r} of size {size}.",
                     f"use 0 <= {name} < {size}.",
                 )
@@ -223,7 +223,7 @@ class Mesh:
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
             raise fail(
-                f"rank {rank!r} is not a device of {self!r} (ranks 0..{self.size - 1}).",
+                f"rank {shown(rank)} is not a device of {self!r} (ranks 0..{self.size - 1}).",
                 f"pass an int rank in 0..{self.size - 1}.",
             )
 

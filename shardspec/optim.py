@@ -14,7 +14,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 from shardspec.spec import P
 
 
@@ -257,7 +257,7 @@ def _numbers(call: str, fix: str, **values: Any) -> None:
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise fail(f"{call}: {name}={v!r} is not a number.", fix)
+            raise fail(f"{call}: {name}={shown(v)} is not a number.", fix)
 
 
 def _below(x: Any, bound: float, *, equal: bool = False) -> bool:
@@ -303,7 +303,7 @@ def adamw(
     try:
         beta1, beta2 = betas
     except (TypeError, ValueError):
-        raise fail(f"adamw: betas={betas!r} is not a pair of numbers.", fix) from None
+        raise fail(f"adamw: betas={shown(betas)} is not a pair of numbers.", fix) from None
     _numbers("adamw", fix, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     bad_betas = any(_below(b, 0) or (not _below(b, 1) and not isinstance(b, torch.Tensor)) for b in betas)
     if _below(lr, 0, equal=True) or bad_betas or _below(eps, 0, equal=True) or _below(weight_decay, 0):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -27,12 +27,12 @@ class Pipeline:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise fail(
-                f"Pipeline(schedule={self.schedule!r}) is not a schedule.",
+                f"Pipeline(schedule={shown(self.schedule)}) is not a schedule.",
                 f"use one of {', '.join(SCHEDULES)}.",
             )
         v = self.virtual_stages
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise fail(f"Pipeline(virtual_stages={v!r}) must be a positive int.", "pass e.g. 2.")
+            raise fail(f"Pipeline(virtual_stages={shown(v)}) must be a positive int.", "pass e.g. 2.")
         if self.schedule == "interleaved" and v < 2:
             raise fail(
                 f"Pipeline(schedule='interleaved', virtual_stages={v}): interleaving needs at least "
@@ -41,9 +41,9 @@ class Pipeline:
             )
         if self.schedule != "interleaved" and v != 1:
             raise fail(
-                f"Pipeline(schedule={self.schedule!r}, virtual_stages={v}): only the interleaved "
+                f"Pipeline(schedule={shown(self.schedule)}, virtual_stages={v}): only the interleaved "
                 "schedule places several stages per rank.",
                 f"use schedule='interleaved' with virtual_stages={v}, or drop virtual_stages.",
             )
         if not isinstance(self.axis, str):
-            raise fail(f"Pipeline(axis={self.axis!r}) must be a mesh axis name.", "pass e.g. axis='pp'.")
+            raise fail(f"Pipeline(axis={shown(self.axis)}) must be a mesh axis name.", "pass e.g. axis='pp'.")

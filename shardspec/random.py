@@ -43,9 +43,9 @@ def key(seed: int) -> torch.Tensor:
         tensor(42)
     """
     if not isinstance(seed, int) or not 0 <= seed < 2**63:
-        from shardspec.errors import fail
+        from shardspec.errors import fail, shown
 
-        raise fail(f"random.key({seed!r}): a seed is an int in [0, 2^63).", "pass e.g. random.key(0).")
+        raise fail(f"random.key({shown(seed)}): a seed is an int in [0, 2^63).", "pass e.g. random.key(0).")
     return torch.tensor(seed, dtype=torch.int64)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import optree
 
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 from shardspec.spec import P
 
 _NO_DEFAULT: Any = object()
@@ -42,7 +42,7 @@ def match_specs(tree: Any, rules: Sequence[tuple[str | re.Pattern[str], P]], def
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[1], P)):
             raise fail(
-                f"match_specs: rule {i} is {rule!r}, not a (regex, P) pair.",
+                f"match_specs: rule {i} is {shown(rule)}, not a (regex, P) pair.",
                 'write each rule as (r"pattern", P(...)), e.g. (r"attn\\.qkv\\.weight$", P("tp")).',
             )
         pattern, spec = rule

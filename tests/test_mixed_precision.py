@@ -256,3 +256,32 @@ def test_reduce_dtype_with_a_batch_that_splits_unevenly(rows):
     want = train_step(params, opt.init(params), x)
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # gradients summed in bf16
+
+
+def test_reduce_dtype_reaches_a_gradient_an_sgd_update_scales_first():
+    """p - lr * g: the pending sum passes the scaling, so the all-reduce takes lr * g; it is still
+    a gradient, reduced in reduce_dtype and named by its parameter."""
+    params = {"w": torch.randn(16, 4)}
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def loss(pb, x, y):
+        return F.cross_entropy((x.bfloat16() @ pb["w"]).float(), y)
+
+    def step(p, x, y):
+        value, grads = shardspec.value_and_grad(loss)({k: v.bfloat16() for k, v in p.items()}, x, y)
+        return {k: p[k] - 0.1 * grads[k].float() for k in p}, value
+
+    f = sharded(
+        step,
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=({"w": P()}, P("dp"), P("dp")),
+        out_specs=({"w": P()}, P()),
+        passes={"reduce_dtype": torch.bfloat16},
+    )
+    low = f.lower(params, x, y)
+    reduced = [
+        c for launch in low.launches() for c in launch if c.kind == "all_reduce" and c.shape == (16, 4)
+    ]
+    assert [c.dtype for c in reduced] == [torch.bfloat16]
+    assert "gradient of p['w'] (after its mul by a number)" in low.explain()
+    torch.testing.assert_close(f(params, x, y)[0]["w"], step(params, x, y)[0]["w"], rtol=1e-2, atol=1e-2)

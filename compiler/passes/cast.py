@@ -105,10 +105,15 @@ def _is_gradient(x: Node) -> bool:
 
 
 def _passes_through(x: Node) -> bool:
+    """A view, a cast, or a scaling by a number (an SGD update's ``lr * g``, a mean's ``g / k``):
+    the caller checked that ``x`` reads one tensor, so the other operand is a constant."""
     return x.target in _VIEW_LIKE or x.target in (
         prims.convert_element_type.default,
         aten.reshape.default,
         aten.contiguous.default,
+        aten.mul.Tensor,
+        aten.div.Tensor,
+        aten.neg.default,
     )
 
 
