@@ -163,6 +163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--kill-step needs real processes (torchrun), not --simulate")
     if args.kill_during_save and not (args.ckpt and args.ckpt_every and args.kill_step):
         ap.error("--kill-during-save needs --ckpt, --ckpt-every and --kill-step")
+    if args.kill_during_save and args.kill_step % args.ckpt_every:
+        ap.error(f"--kill-during-save: no save after step {args.kill_step} (every {args.ckpt_every} steps)")
+    if args.ckpt_every < 0 or (args.ckpt_every and not args.ckpt):
+        ap.error("--ckpt-every K saves every K >= 1 steps into --ckpt DIR (give both)")
     return args
 
 
@@ -207,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         params, state = tree["params"], tree["opt"]
         say(f"resumed from {found} (step {start})")
 
+    if args.kill_step is not None and not 0 <= args.kill_rank < (1 if mesh.simulated else mesh.size):
+        raise SystemExit(f"--kill-rank {args.kill_rank}: no such rank in {mesh.describe()}")
     fault = args.kill_step is not None and rank == args.kill_rank and attempt == 0
     for i in range(start, args.steps):
         if fault and i == args.kill_step and not args.kill_during_save:

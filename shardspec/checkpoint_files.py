@@ -60,6 +60,8 @@ def recover(root: Path) -> None:
             shutil.rmtree(old)
     for stale in root.glob(TMP + "*"):
         shutil.rmtree(stale)
+    for torn in root.glob(LATEST + ".*.tmp"):  # a pointer write killed before its rename
+        torn.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -159,11 +161,21 @@ def resolve(path: Path) -> tuple[Path | None, str | None, str]:
     return None, f"no checkpoint at {path}: no {PREFIX}N directory and no {LATEST} file", "missing"
 
 
+def _leaf_record(r: Any) -> bool:
+    """A leaf's record as save writes it: a path, and a tensor's shape and dtype or a scalar's value."""
+    if not isinstance(r, dict) or not isinstance(r.get("path"), str):
+        return False
+    if r.get("kind") == "tensor":
+        return isinstance(r.get("shape"), list) and isinstance(r.get("dtype"), str)
+    return r.get("kind") == "scalar" and "value" in r
+
+
 def read_meta(ckpt: Path) -> dict[str, Any]:
     """The checkpoint's own record, checked: a foreign or damaged file is named, not a KeyError."""
     try:
         meta = json.loads((ckpt / META).read_text())
         ok = isinstance(meta, dict) and isinstance(meta.get("leaves"), list) and "step" in meta
+        ok = ok and all(_leaf_record(r) for r in meta["leaves"])
     except (OSError, ValueError):
         meta, ok = None, False
     if not ok or not isinstance(meta, dict) or meta.get("format") != FORMAT:
