@@ -15,7 +15,7 @@ import torch
 
 from collectives.distributed import gate, pass_gate, set_wait_timeout
 from collectives.simulated import run_simulated
-from compiler import inputs
+from compiler import constants, inputs
 from compiler.backend import dtensor_type
 from compiler.constrain import constrain
 from compiler.inductor import check_backend, runner
@@ -96,6 +96,8 @@ class ShardedFunction:
         self.fn, self.mesh, self.in_specs, self.out_specs = fn, mesh, in_specs, out_specs
         self.unsupported = unsupported
         self._cache: dict[Any, Program] = {}
+        self._constants: dict[int, constants.Snapshot] = {}  # per program: its closed-over tensors
+        self._owner: Any = None  # a method's self
         self._plans: dict[int, _RealPlan] = {}  # per program: per-call metadata and its digest
         self._values_checked: set[tuple[int, tuple[bool, ...]]] = set()
         self._small: dict[tuple[int, tuple[bool, ...]], tuple[int, ...]] = {}  # per program and call kind
@@ -133,6 +135,7 @@ class ShardedFunction:
                 self.backend,
             )
             bound._identity = self._identity  # the method's own line, on every rank
+            bound._owner = obj  # (held by the bound method anyway)
             if held is not None:
                 held[slot] = bound
         return bound
@@ -229,6 +232,10 @@ class ShardedFunction:
         except Exception:
             self._tell_other_ranks_this_one_failed()
             raise
+        snap = self._constants.get(id(program))
+        if snap is None:
+            snap = self._constants[id(program)] = constants.snapshot(_constants(program), self._owner)
+        constants.check_unchanged(snap, self.__name__, self._owner)
         tensors = [leaves[i] for i in program.traced.tensor_positions]
         if program.donated:
             _check_donated_alone(tensors, program)
@@ -268,10 +275,10 @@ class ShardedFunction:
                 gate(call)
             if self.check_values and (id(program), plain) not in self._values_checked:
                 pass_gate()
-                constants = _constants(program)
+                closed = _constants(program)
                 inputs.check_same_values(
-                    tensors + [c for _, c in constants],
-                    program.traced.in_paths + tuple(name for name, _ in constants),
+                    tensors + [c for _, c in closed],
+                    program.traced.in_paths + tuple(name for name, _ in closed),
                     self.__name__,
                     self.timeout,
                 )

@@ -486,3 +486,28 @@ def test_value_and_grad_splits_keyword_batches_into_microbatches() -> None:
     got = step(w, x, y)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
+
+
+def test_a_closed_over_tensor_changed_after_compiling_is_an_error_not_a_stale_value() -> None:
+    mesh = Mesh({"dp": 2}, simulate=True)
+    w, x = torch.randn(6, 3), torch.randn(8, 6)
+    f = sharded(lambda x: x @ w, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+    f(x)
+    f(x)  # unchanged: fine
+    w.mul_(2)
+    with pytest.raises(shardspec.ShardingError, match=r"modified in place after .* compiled"):
+        f(x)
+
+    class Model:
+        def __init__(self) -> None:
+            self.w = torch.randn(6, 3)
+
+        @sharded(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    m = Model()
+    m.forward(x)
+    m.w = m.w * 2
+    with pytest.raises(shardspec.ShardingError, match=r"self\.w was set to another tensor"):
+        m.forward(x)
