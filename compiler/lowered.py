@@ -19,6 +19,7 @@ from compiler.passes.regather import AGAIN
 from compiler.passes.remat import AGAIN as REMAT_AGAIN
 from compiler.sharding import Sharding
 from compiler.sources import source_of
+from shardspec.errors import fail, shown
 from shardspec.layout import local_shape
 from shardspec.spec import P
 
@@ -76,8 +77,20 @@ class Lowered:
     def __init__(self, program: Program) -> None:
         self.program = program
 
+    def _rank(self, rank: object) -> int:
+        """``rank`` checked against the mesh (a report of a rank that does not exist is an error)."""
+        size = self.program.mesh.size
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise fail(
+                f"rank {shown(rank)} is not a device of {self.program.mesh.describe()} "
+                f"(ranks 0..{size - 1}).",
+                f"pass a rank from 0 to {size - 1}.",
+            )
+        return rank
+
     def as_text(self, rank: int = 0) -> str:
         """The per-rank program (rank 0's unless told), collectives visible as shardspec ops."""
+        rank = self._rank(rank)
         p = self.program
         head = [f"# per-rank program of rank {rank} on {p.mesh.describe()}"]
         for path, spec, info in zip(p.traced.in_paths, p.in_specs, p.traced.inputs, strict=True):
@@ -109,6 +122,7 @@ class Lowered:
     def launches(self, rank: int = 0) -> list[list[Inserted]]:
         """The collectives as the program launches them, in order: a bucket is one launch of
         several inserted collectives (``collectives()`` lists each tensor moved, and why)."""
+        rank = self._rank(rank)
         by_node = {c.node: c for c in self.program.inserted}
         for c in self.program.inserted:  # a parameter gathered again for backward (regather)
             by_node[c.node + AGAIN] = replace(
@@ -124,8 +138,9 @@ class Lowered:
                 members = [_member(by_node, m) for m in names if m.split(CAST)[0] in by_node]
                 if members:
                     out.append(members)
-        seen = {c.node.split(CAST)[0] for launch in out for c in launch}
-        out += [[c] for c in self.program.inserted if c.node not in seen]
+        if self.program.pipeline is None:  # (a stage program holds only its position's collectives)
+            seen = {c.node.split(CAST)[0] for launch in out for c in launch}
+            out += [[c] for c in self.program.inserted if c.node not in seen]
         if self.program.pipeline is not None:  # then the sends of the rank's pipeline position
             from compiler.pipeline.report import p2p_launches
 
@@ -142,16 +157,19 @@ class Lowered:
         """
         by_kind: dict[str, float] = {}
         total = 0.0
-        from compiler.pipeline.report import p2p_launches, p2p_seconds
+        from compiler.pipeline.report import p2p_seconds
 
-        sends = p2p_launches(self.program)  # a pipeline's: the busiest position's
-        launches = [ln for ln in self.launches() if ln[0].kind != "send"]
+        # the busiest rank's: a pipeline position (its collectives and sends), an uneven layout's
+        # larger blocks
+        firsts = list({id(gm): r for r, gm in reversed(list(enumerate(self.program.programs)))}.values())
+        busiest = max(firsts, key=lambda r: sum(self._launch_bytes(ln) for ln in self.launches(r)))
+        every = self.launches(busiest)
+        launches = [ln for ln in every if ln[0].kind != "send"]
+        sends = [ln for ln in every if ln[0].kind == "send"]
         for launch in launches + sends:
             sent = self._launch_bytes(launch)
             by_kind[launch[0].kind] = by_kind.get(launch[0].kind, 0.0) + sent
             total += sent
-        # the busiest rank's: a pipeline position, or an uneven layout's larger blocks
-        firsts = list({id(gm): r for r, gm in reversed(list(enumerate(self.program.programs)))}.values())
         peak = max(self.peak_memory(r) for r in firsts)
         carried, grads, compute = model_state(self.program)
         acts = max(self.activation_peak(r) for r in firsts)
@@ -196,6 +214,7 @@ class Lowered:
         """Largest sum of live activation bytes: values computed in forward from the batch (the
         arguments the step does not carry), and their recomputations; not parameters, gathered
         parameters, gradients or optimizer values."""
+        rank = self._rank(rank)
         return max(live for _, live in self.memory_profile(rank, _activations(self.program, rank)))
 
     def memory_profile(
@@ -204,7 +223,7 @@ class Lowered:
         """Live tensor bytes after each op of the program (``None``: before the first op), by
         the liveness ``peak_memory`` takes the largest of (``only``: count just these buffers)."""
         p = self.program
-        gm = p.programs[rank]
+        gm = p.programs[self._rank(rank)]
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         fakes = [
             mode.from_tensor(torch.empty(local_shape(i.shape, p.mesh, s, rank), dtype=i.dtype))

@@ -135,6 +135,17 @@ class PropagatorBase:
             try:
                 self.rules[node] = rule_for(node)
             except MissingRule:
+                if getattr(node.target, "namespace", None) == "shardspec":
+                    # a collective of the library called in the step: replicating would gather its
+                    # input and then reduce it again (a doubled all-reduce)
+                    raise fail(
+                        f"{node.target} at {source_of(node) or node.name} is one of shardspec's own "
+                        "collectives, called inside a sharded step: the step's collectives come from "
+                        "its specs, so it cannot be placed.",
+                        "drop the collective and say the layout you want instead: constrain(x, P()) "
+                        "for a value whole on every device (a pending sum is reduced there), or "
+                        "constrain(x, P('dp')) to split it.",
+                    ) from None
                 if self.unsupported != "replicate" and self.held_whole(node):
                     # every rank holds every operand whole: running it replicated moves nothing.
                     # Not remembered: a later sweep may find its operands split

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+import collectives
 import shardspec
 from shardspec import Mesh, P, constrain, optim, shard, sharded, spec_to_placements, unshard
 from tests._custom_ops import doubled
@@ -345,6 +346,18 @@ CASES: tuple[Case, ...] = (
         "random numbers inside the step",
         lambda: _step(_random, (P("dp"),), P("dp"))(X),
         ("randint_like", "pass it in as an argument"),
+    ),
+    Case(
+        "purity",
+        "one of shardspec's collectives inside a step",
+        lambda: _step(lambda x: collectives.all_reduce(x, axis="dp", mesh=DP), (P("dp"),), P(), mesh=DP)(X),
+        ("shardspec's own collectives", "constrain(x, P())"),
+    ),
+    Case(
+        "specs",
+        "a report of a rank the mesh does not have",
+        lambda: _step(lambda x: x * 2, (P("dp"),), P("dp"), mesh=DP).lower(X).launches(5),
+        ("rank 5 is not a device of dp=2", "0 to 1"),
     ),
     Case(
         "purity",

@@ -488,3 +488,25 @@ def test_cost_reports_the_busiest_position_peak() -> None:
     params, state, x, y, step = _setup()
     low = _compiled(step, params, {"pp": 2}, Pipeline("pp", "gpipe")).lower(params, state, x, y)
     assert low.cost().peak_memory_bytes_per_rank == max(low.peak_memory(r) for r in range(2))
+
+
+def test_a_pipeline_with_dp_reports_each_position_own_collectives() -> None:
+    """A stage program holds its position's collectives only: launches(rank) lists those (not every
+    stage's), and cost() is the busiest rank's, as measured when the step runs."""
+    params, state, x, y, step = _setup()
+    run = _compiled(step, params, {"pp": 2, "dp": 2}, Pipeline("pp", "gpipe"))
+    low = run.lower(params, state, x, y)
+    with count_bytes() as sent:
+        run(params, state, x, y)
+    per_rank: dict[int, float] = {}
+    launches: dict[int, int] = {}
+    for rec in sent.records:
+        for r, b in rec.bytes_by_rank.items():
+            per_rank[r] = per_rank.get(r, 0.0) + b
+            if rec.kind != "recv":  # (a receive is its send's other end)
+                launches[r] = launches.get(r, 0) + 1
+    busiest = max(per_rank, key=per_rank.__getitem__)
+    assert low.cost().comm_bytes_per_rank == pytest.approx(per_rank[busiest])
+    assert low.cost().collective_count == launches[busiest]
+    for r in range(4):
+        assert len(low.launches(r)) == launches[r]
