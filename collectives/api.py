@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from collectives import kernels, ops, simulated
-from shardspec.errors import fail
+from shardspec.errors import fail, shown
 from shardspec.mesh import Mesh
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
@@ -69,6 +69,14 @@ def _check_tensor(kind: str, x: torch.Tensor, op: str | None = None) -> None:
                 f"{kind}: op='avg' on {x.dtype} would need a rounding rule.",
                 "use op='sum' and divide, or cast to a floating dtype.",
             )
+
+
+def _check_size(kind: str, size: Any) -> None:
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise fail(
+            f"{kind}: size={shown(size)} is not a global length (an int >= 0, or None).",
+            "pass the global length along the joined dim, or omit it.",
+        )
 
 
 def _check_dim(kind: str, name: str, dim: int, x: torch.Tensor) -> int:
@@ -132,6 +140,7 @@ def all_gather(
     first = x[0] if isinstance(x, (list, tuple)) and x else x
     _check_tensor("all_gather", first)
     d = _check_dim("all_gather", "dim", dim, first)
+    _check_size("all_gather", size)
     key = ops.mesh_key(mesh)
     return _dispatch(
         "all_gather",
@@ -198,6 +207,7 @@ def all_to_all(
     _check_tensor("all_to_all", first)
     sd = _check_dim("all_to_all", "split_dim", split_dim, first)
     cd = _check_dim("all_to_all", "concat_dim", concat_dim, first)
+    _check_size("all_to_all", size)
     key = ops.mesh_key(mesh)
     return _dispatch(
         "all_to_all",

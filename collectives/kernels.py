@@ -75,9 +75,18 @@ def all_reduce(xs: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
     return [total.clone() for _ in xs]
 
 
-def all_to_all(xs: Sequence[torch.Tensor], split_dim: int, concat_dim: int) -> list[torch.Tensor]:
+def all_to_all(
+    xs: Sequence[torch.Tensor], split_dim: int, concat_dim: int, size: int | None = None
+) -> list[torch.Tensor]:
     same_shapes("all_to_all", xs, skip_dim=concat_dim)
     n = len(xs)
+    lengths = [int(x.shape[concat_dim]) for x in xs]
+    if size is not None and size >= 0 and lengths != chunk_sizes(size, n):  # (as a real run checks)
+        raise fail(
+            f"all_to_all: shards along concat_dim {concat_dim} have lengths {lengths}, but a global "
+            f"size of {size} over {n} devices gives torch.chunk blocks {chunk_sizes(size, n)}.",
+            "pass size= the global length along concat_dim (or omit it).",
+        )
     return [torch.cat([narrow_chunk(x, split_dim, n, j) for x in xs], concat_dim).clone() for j in range(n)]
 
 

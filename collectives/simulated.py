@@ -33,7 +33,7 @@ def _results(kind: str, xs: Sequence[torch.Tensor], p: dict[str, Any]) -> list[t
     if kind == "all_reduce":
         return kernels.all_reduce(xs, p["op"])
     if kind == "all_to_all":
-        return kernels.all_to_all(xs, p["split_dim"], p["concat_dim"])
+        return kernels.all_to_all(xs, p["split_dim"], p["concat_dim"], p.get("size"))
     if kind == "ppermute":
         return kernels.ppermute(xs, p["perm"])
     if kind == "broadcast":

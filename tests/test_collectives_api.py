@@ -222,3 +222,16 @@ def test_simulated_send_recv_are_counted_like_real_ones():
 
     sends = [rec for recs in C.run_simulated(body, mesh) for rec in recs]
     assert ("send", {0: 12}) in sends and ("recv", {1: 0}) in sends
+
+
+def test_a_global_size_is_checked_by_all_to_all_as_a_real_run_does():
+    mesh = Mesh({"a": 2}, simulate=True)
+    xs = [torch.ones(2, 2), torch.ones(2, 2)]
+    assert [t.shape for t in C.all_to_all(xs, split_dim=1, concat_dim=0, axis="a", mesh=mesh, size=4)] == [
+        torch.Size([4, 1])
+    ] * 2
+    with pytest.raises(ShardingError, match=r"lengths \[2, 2\], but a global size of 99"):
+        C.all_to_all(xs, split_dim=1, concat_dim=0, axis="a", mesh=mesh, size=99)
+    for bad in (-3, 4.0, True):
+        with pytest.raises(ShardingError, match="is not a global length"):
+            C.all_gather(xs, dim=0, axis="a", mesh=mesh, size=bad)
