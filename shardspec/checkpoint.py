@@ -35,12 +35,16 @@ from shardspec.checkpoint_files import (
     META,
     PREFIX,
     TMP,
+    checksums,
     dcp_errors,
+    gathered,
+    owned_files,
     publish,
     read_meta,
     recover,
     resolve,
     save_lock,
+    verify_files,
     write_atomic,
 )
 from shardspec.errors import ShardingError, fail, shown
@@ -240,6 +244,9 @@ def _write(
     state = {p: x for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)}
     with _single_process_quiet(), dcp_errors("save", tmp):
         dcp_save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    sums: dict[str, str] = {}
+    for part in gathered(checksums(tmp, owned_files(tmp, rank))):
+        sums.update(part)
 
     if rank == 0:
         try:
@@ -248,6 +255,7 @@ def _write(
                 "step": step,
                 "world_size": dist.get_world_size() if _distributed() else 1,
                 "leaves": records,
+                "checksums": sums,
                 "complete": True,
             }
             write_atomic(tmp / META, json.dumps(meta, indent=1))
@@ -296,6 +304,7 @@ def load(
     specs: Any = None,
     restore_rng: bool = False,
     timeout: float = 600.0,
+    verify: bool = True,
 ) -> Restored:
     """Load a checkpoint into the structure of ``like``; return ``Restored(tree, step)``.
 
@@ -304,7 +313,9 @@ def load(
     On a real ``mesh`` every rank calls this and gets DTensors laid out by ``specs`` (a tree of ``P``
     matching ``like``, prefixes allowed; default replicated), whatever mesh or world size wrote the
     checkpoint: DCP reads each rank's block from the saved shards. With a simulated mesh or none,
-    the result is global tensors. Python scalar leaves come back as saved.
+    the result is global tensors. Python scalar leaves come back as saved. ``verify`` compares the
+    files with the CRC-32 checksums the save recorded first (the ranks share the reading), so a
+    damaged or swapped file is an error naming it rather than silently wrong values.
     """
     ckpt, error, kind = _agree(resolve(Path(path)))
     if ckpt is None:
@@ -361,6 +372,8 @@ def load(
             )
         else:
             state[p] = torch.empty(shape, dtype=dtype)
+    if verify:
+        verify_files(ckpt, meta)
     with _single_process_quiet(), dcp_errors("load", ckpt):
         dcp_load(state, checkpoint_id=ckpt, no_dist=not _distributed())
     if restore_rng:

@@ -15,9 +15,12 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from shardspec.errors import fail
 
@@ -161,6 +164,87 @@ def resolve(path: Path) -> tuple[Path | None, str | None, str]:
     return None, f"no checkpoint at {path}: no {PREFIX}N directory and no {LATEST} file", "missing"
 
 
+def owned_files(directory: Path, rank: int) -> list[str]:
+    """The files of a just-written checkpoint that ``rank`` checksums: the DCP shard files it wrote
+    (DCP names them ``__<rank>_<n>.distcp``) and its RNG state; rank 0 also takes DCP's metadata and
+    any file no rank's name claims."""
+    names = sorted(f.name for f in directory.iterdir() if f.is_file() and f.name != META)
+    mine = [n for n in names if n.startswith(f"__{rank}_") or n == f"rng-{rank}.pt"]
+    if rank == 0:
+        claimed = {n for n in names if (n.startswith("__") and n.endswith(".distcp")) or n.startswith("rng-")}
+        mine += [n for n in names if n not in claimed]
+    return sorted(set(mine))
+
+
+def checksums(directory: Path, names: Iterable[str]) -> dict[str, str]:
+    """CRC-32 of each named file (8 hex digits): recorded at save and compared before a load, so a
+    damaged or swapped shard file is an error instead of silently wrong tensors (DCP reads raw
+    bytes and checks nothing). A file that cannot be read gets ``"unreadable"``."""
+    out = {}
+    for name in names:
+        crc = 0
+        try:
+            with open(directory / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    crc = zlib.crc32(chunk, crc)
+        except OSError:
+            out[name] = "unreadable"
+            continue
+        out[name] = f"{crc:08x}"
+    return out
+
+
+def damaged(ckpt: Path, recorded: dict[str, str], names: Iterable[str]) -> list[str]:
+    """Which of ``names`` no longer match ``recorded``, each described (for the load error)."""
+    found = checksums(ckpt, names)
+    return [
+        f"{n} (CRC-32 {recorded[n]} when saved, {found[n]} now)"
+        if found[n] != "unreadable"
+        else f"{n} (missing or unreadable)"
+        for n in sorted(found)
+        if found[n] != recorded[n]
+    ]
+
+
+def earlier(ckpt: Path) -> Path | None:
+    """The newest complete checkpoint beside ``ckpt`` with a lower step (what to load instead)."""
+    if not ckpt.name.startswith(PREFIX) or not ckpt.name.removeprefix(PREFIX).isdigit():
+        return None
+    older = [d for d in _complete_dirs(ckpt.parent) if _step_of(d) < _step_of(ckpt)]
+    return max(older, key=_step_of) if older else None
+
+
+def gathered(value: Any) -> list[Any]:
+    """Every rank's ``value``, by rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def verify_files(ckpt: Path, meta: dict[str, Any]) -> None:
+    """Compare the checkpoint's files with the checksums its save recorded (each rank a share of the
+    files); every rank raises the same error when one differs."""
+    recorded = meta.get("checksums")
+    if not isinstance(recorded, dict):
+        return  # written before checksums were recorded
+    distributed = dist.is_available() and dist.is_initialized()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    names = sorted(recorded)[rank::world]
+    bad = sorted(b for part in gathered(damaged(ckpt, recorded, names)) for b in part)
+    if bad:
+        before = earlier(ckpt)
+        raise fail(
+            f"checkpoint.load: {ckpt} is damaged: {len(bad)} file(s) differ from what its save wrote: "
+            + ", ".join(bad[:3])
+            + (" ..." if len(bad) > 3 else "")
+            + ".",
+            (f"load the previous checkpoint, {before}, " if before else "load another checkpoint ")
+            + "or restore the files from a copy (verify=False reads them anyway, at your own risk).",
+        )
+
+
 def _leaf_record(r: Any) -> bool:
     """A leaf's record as save writes it: a path, and a tensor's shape and dtype or a scalar's value."""
     if not isinstance(r, dict) or not isinstance(r.get("path"), str):
@@ -176,6 +260,12 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
         meta = json.loads((ckpt / META).read_text())
         ok = isinstance(meta, dict) and isinstance(meta.get("leaves"), list) and "step" in meta
         ok = ok and all(_leaf_record(r) for r in meta["leaves"])
+        sums = meta.get("checksums", {})  # absent in records written before checksums
+        ok = (
+            ok
+            and isinstance(sums, dict)
+            and all(isinstance(v, str) and "/" not in k for k, v in sums.items())
+        )
     except (OSError, ValueError):
         meta, ok = None, False
     if not ok or not isinstance(meta, dict) or meta.get("format") != FORMAT:

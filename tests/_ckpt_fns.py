@@ -111,4 +111,21 @@ def disagreements(rank: int, world: int, root: str) -> dict[str, str]:
     )
     out["all missing"] = message(lambda: checkpoint.load(root, like={}))
     out["all save"] = message(lambda: checkpoint.save(root, {"w": object()}, step=3))
+    # a damaged shard file that only rank 1 wrote (and rank 0 checks when loading): every rank
+    # raises the same error, never a silent load of wrong values on some ranks
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = Mesh({"dp": world})
+    rows = DTensor.from_local(torch.full((2, 3), 1.0 + rank), mesh.device_mesh, [Shard(0)])
+    ckpt = checkpoint.save(root, {"rows": rows}, step=4)
+    if rank == 0:
+        shard = ckpt / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[data.find(torch.full((3,), 2.0).numpy().tobytes())] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    out["damaged"] = message(
+        lambda: checkpoint.load(root, like={"rows": rows}, mesh=mesh, specs={"rows": P("dp")})
+    )
     return out

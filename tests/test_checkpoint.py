@@ -233,6 +233,8 @@ def test_foreign_damaged_and_misplaced_checkpoints_are_errors_naming_the_fix(tmp
     for shard in ckpt.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:10])
     msg = _error(lambda: checkpoint.load(ckpt, like=_tree()))
+    assert "is damaged" in msg and ".distcp (CRC-32" in msg
+    msg = _error(lambda: checkpoint.load(ckpt, like=_tree(), verify=False))  # DCP's own failure
     assert "torch.distributed.checkpoint failed on" in msg and "rank 0:" in msg
 
     ckpt = checkpoint.save(tmp_path / "c", _tree(), step=1)
@@ -264,9 +266,10 @@ def test_ranks_that_disagree_get_the_same_error_and_nothing_is_written(tmp_path)
         assert "is float32 in" in r["all dtype"] and "like expects bfloat16" in r["all dtype"], r["all dtype"]
         assert "different trees" in r["all missing"], r["all missing"]
         assert "tree['w'] is a object" in r["all save"], r["all save"]
+        assert "step-00000004 is damaged" in r["damaged"] and "__1_0.distcp (CRC-32" in r["damaged"]
     assert "rank(s) [1] rejected their arguments" in results[0]["load"], results[0]["load"]
     assert "have different trees; in like but not in the checkpoint: tree['v']" in results[1]["load"]
-    assert _names(tmp_path) == ["latest", "step-00000002"]
+    assert _names(tmp_path) == ["latest", "step-00000002", "step-00000004"]
 
 
 def test_a_resave_that_crashes_between_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
@@ -353,3 +356,30 @@ def test_damaged_checkpoints_are_reported_not_crashed_on(tmp_path):
     assert not (tmp_path / "step-00000003").exists()  # refused before anything was written
     with pytest.raises(ShardingError, match=r"needs a shardspec\.Mesh"):
         checkpoint.load(tmp_path, like=_tree(), mesh="dp=2")
+
+
+def test_a_flipped_bit_in_a_shard_file_is_an_error_naming_it_and_the_checkpoint_before(tmp_path):
+    """DCP reads raw bytes: without the checksums the save records, a damaged shard file loads as
+    silently wrong tensors (shown here with verify=False)."""
+    first = checkpoint.save(tmp_path, _tree(1.0), step=1)
+    second = checkpoint.save(tmp_path, _tree(2.0), step=2)
+    shard = next(second.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    at = data.find(torch.full((3,), 2.0).numpy().tobytes())  # the raw bytes of a tensor of 2.0s
+    assert at >= 0
+    data[at] ^= 0x10  # a low mantissa bit of one element
+    shard.write_bytes(bytes(data))
+    msg = _error(lambda: checkpoint.load(tmp_path, like=_tree()))
+    assert (
+        f"{second} is damaged" in msg
+        and shard.name in msg
+        and f"load the previous checkpoint, {first}" in msg
+    )
+    unchecked = checkpoint.load(tmp_path, like=_tree(), verify=False).tree
+    expected = _tree(2.0)
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(optree.tree_leaves(unchecked), optree.tree_leaves(expected))
+        if isinstance(a, torch.Tensor)
+    )
+    assert torch.equal(checkpoint.load(first, like=_tree()).tree["params"]["w"], _tree(1.0)["params"]["w"])
