@@ -234,8 +234,10 @@ class ShardedFunction:
             raise
         snap = self._constants.get(id(program))
         if snap is None:
-            snap = self._constants[id(program)] = constants.snapshot(_constants(program), self._owner)
-        constants.check_unchanged(snap, self.__name__, self._owner)
+            snap = self._constants[id(program)] = constants.snapshot(
+                _constants(program), self.fn, self._owner
+            )
+        constants.check_unchanged(snap, self.__name__)
         tensors = [leaves[i] for i in program.traced.tensor_positions]
         if program.donated:
             _check_donated_alone(tensors, program)

@@ -511,3 +511,73 @@ def test_a_closed_over_tensor_changed_after_compiling_is_an_error_not_a_stale_va
     m.w = m.w * 2
     with pytest.raises(shardspec.ShardingError, match=r"self\.w was set to another tensor"):
         m.forward(x)
+
+
+_GLOBAL_W = torch.ones(4)
+_CFG = {"scale": torch.tensor(2.0)}
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * _CFG["scale"]
+
+
+def test_every_place_a_constant_is_read_from_is_checked_not_only_self_w() -> None:
+    """Rebinding a global, a dict entry a helper reads, a nested object's attribute, a module's
+    parameter (nn.Module or global model), or ``.data =`` on the tensor: each silently gave the
+    value from compile time before."""
+    global _GLOBAL_W
+    mesh = Mesh({"dp": 2}, simulate=True)
+    x = torch.ones(4)
+    spec = dict(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+
+    g = sharded(lambda x: x * _GLOBAL_W, **spec)
+    g(x)
+    saved, _GLOBAL_W = _GLOBAL_W, torch.full((4,), 3.0)
+    try:
+        with pytest.raises(shardspec.ShardingError, match=r"_GLOBAL_W was set to another tensor"):
+            g(x)
+    finally:
+        _GLOBAL_W = saved
+    g(x)  # back to the compiled tensor: fine
+    _GLOBAL_W.data = torch.full((4,), 5.0)
+    with pytest.raises(shardspec.ShardingError, match=r"modified in place after"):
+        g(x)
+
+    h = sharded(lambda x: _scaled(x), **spec)
+    h(x)
+    _CFG["scale"] = torch.tensor(5.0)
+    with pytest.raises(shardspec.ShardingError, match=r"_CFG\['scale'\] was set to another tensor"):
+        h(x)
+
+    class Inner:
+        def __init__(self) -> None:
+            self.w = torch.ones(4)
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+            self.lin = torch.nn.Linear(4, 4)
+
+        @sharded(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * self.inner.w)
+
+    xs = torch.ones(2, 4)
+    m = Outer()
+    m.step(xs)
+    m.inner.w = torch.full((4,), 3.0)
+    with pytest.raises(shardspec.ShardingError, match=r"self\.inner\.w was set to another tensor"):
+        m.step(xs)
+    m = Outer()
+    m.step(xs)
+    m.lin.weight = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(shardspec.ShardingError, match=r"self\.lin\.weight was set to another tensor"):
+        m.step(xs)
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    f = sharded(lambda x: model(x), **spec)
+    f(xs)
+    model.weight = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(shardspec.ShardingError, match=r"model\.weight was set to another tensor"):
+        f(xs)
