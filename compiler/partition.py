@@ -202,7 +202,8 @@ class _Partitioner:
             args[_SIZE_ARG[node.target]] = list(lshape)
         if node.target is aten.native_group_norm.default:  # N is passed explicitly: this rank's N
             args[3] = self.local(shape(p.operands[0]), p.required[0])[0]
-        kwargs = {k: (self.env[v] if isinstance(v, Node) else v) for k, v in node.kwargs.items()}
+        # keyword tensors as resharded for this op too (the replicate fallback counts them as operands)
+        kwargs = {k: local(v) for k, v in node.kwargs.items()}
         assert callable(node.target)
         fused = self.addmm(node, args)
         # a view of the global value may not be one of a local block (a slice has other strides);

@@ -581,3 +581,33 @@ def test_every_place_a_constant_is_read_from_is_checked_not_only_self_w() -> Non
     model.weight = torch.nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(shardspec.ShardingError, match=r"model\.weight was set to another tensor"):
         f(xs)
+
+
+def test_replicate_fallback_gathers_keyword_tensors_too() -> None:
+    """The CPU attention kernel takes its mask only as a keyword: the replicate fallback gathered the
+    positional operands and left the keyword mask as each rank's block, so rank 1 attended with
+    rank 0's mask row (silently wrong), or with other shapes crashed in the generated code."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    params = {k: p.detach().clone() for k, p in mha.named_parameters()}
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[0, -3:] = True
+    pad[3, -1:] = True
+
+    def f(p: Any, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        kw = {"key_padding_mask": pad, "need_weights": False}
+        return torch.func.functional_call(mha, p, (x, x, x), kw)[0]
+
+    for batch in (2, 4):
+        x = torch.randn(batch, 6, 8)
+        s = sharded(
+            f,
+            mesh=Mesh({"dp": 2}, simulate=True),
+            in_specs=({k: P() for k in params}, P("dp"), P("dp")),
+            out_specs=P(),
+            unsupported="replicate",
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = s(params, x, pad[:batch])
+        torch.testing.assert_close(got, f(params, x, pad[:batch]))
