@@ -611,3 +611,32 @@ def test_replicate_fallback_gathers_keyword_tensors_too() -> None:
             warnings.simplefilter("ignore")
             got = s(params, x, pad[:batch])
         torch.testing.assert_close(got, f(params, x, pad[:batch]))
+
+
+def test_a_users_cat_feeding_an_all_reduce_is_not_taken_for_a_gradient_bucket() -> None:
+    """pack_early fills the buckets bucketing packed; it took any cat feeding an in-place
+    all-reduce for one, and transformers' DynamicCache (``cat([torch.tensor([]), k], dim=-2)``, a
+    legacy empty (0,) piece) under row-parallel specs crashed it with an IndexError."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    config = transformers.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    tok = torch.randint(0, 64, (4, 12))
+
+    def forward(p: Any, tok: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (tok,)).logits.sum()
+
+    specs = {k: (P(None, "tp") if v.ndim == 2 else P()) for k, v in params.items()}
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+    s = sharded(forward, mesh=mesh, in_specs=(specs, P("dp")), out_specs=P())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(s(params, tok), forward(params, tok), rtol=1e-5, atol=1e-4)

@@ -151,6 +151,9 @@ def bucketing(
     return gm
 
 
+BUCKET_CAT = "shardspec_bucket_cat"  # the cat packing a bucket (pack_early fills only these)
+
+
 def bucketing_(gm: GraphModule, bucket_bytes: int, zero_bucket_bytes: int | None = None) -> None:
     from compiler.passes.hoist import hoist_
     from compiler.passes.sink import sink_
@@ -205,10 +208,13 @@ def _back(dim: int, rank: int) -> list[int]:
 def _pack_and_launch(graph: Any, kind: str, members: list[Node], kwargs: dict[str, Any], n: int) -> Node:
     if kind == "reduce_scatter":
         rows = [_to_rows(graph, m.args[0], m.kwargs["dim"], n) for m in members]  # type: ignore[arg-type]
-        flat = make(graph, aten.reshape.default, (make(graph, aten.cat.default, (rows, 1)), [-1]))
+        packed = make(graph, aten.cat.default, (rows, 1))
+        packed.meta[BUCKET_CAT] = True
+        flat = make(graph, aten.reshape.default, (packed, [-1]))
         return make(graph, ops.reduce_scatter.default, (flat,), {**kwargs, "dim": 0})
     flats = [make(graph, aten.reshape.default, (m.args[0], [-1])) for m in members]
     buf = make(graph, aten.cat.default, (flats,))
+    buf.meta[BUCKET_CAT] = True
     if kind == "all_reduce":  # cat made the buffer: reduce it in place
         return make(graph, ops.all_reduce_inplace.default, (buf,), kwargs)
     length = sum(val(f).numel() for f in flats)

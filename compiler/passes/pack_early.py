@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from compiler.passes import liveness
+from compiler.passes.bucketing import BUCKET_CAT
 from compiler.passes.graph import aliases_input, copy_module, make, mutates, val
 
 aten = torch.ops.aten
@@ -44,6 +45,8 @@ def pack_early_(gm: GraphModule) -> None:
 
 
 def _feeds_gradient_launch(cat: Node) -> bool:
+    if not cat.meta.get(BUCKET_CAT):  # a cat of the user's own, reduced as it is
+        return False
     users = list(cat.users)
     while len(users) == 1 and users[0].target is aten.reshape.default:  # reduce_scatter's flat view
         users = list(users[0].users)
