@@ -9,7 +9,7 @@ that tensor, with the same storage and version counter, and refuses a call where
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,10 +136,9 @@ def _skipped(x: Any) -> bool:
     return isinstance(module, str) and module.split(".")[0] in _SKIPPED
 
 
-def _places(held: dict[int, torch.Tensor], roots: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
-    """Breadth first from the roots: the places holding each constant (at most a few per tensor)."""
-    found: dict[int, int] = {}
-    out: list[tuple[_Place, torch.Tensor]] = []
+def _walk(roots: list[tuple[str, Callable[[], Any]]]) -> Iterator[tuple[_Place, Any]]:
+    """Breadth first from the roots, each object once (tensors at every place they are found),
+    a few levels deep and within a budget."""
     visited: set[int] = set()
     budget = _BUDGET
     for label, root in roots:
@@ -151,17 +150,38 @@ def _places(held: dict[int, torch.Tensor], roots: list[tuple[str, Callable[[], A
             nxt = []
             for x, steps in frontier:
                 if isinstance(x, torch.Tensor):
-                    if id(x) in held and found.get(id(x), 0) < _PER_TENSOR:
-                        found[id(x)] = found.get(id(x), 0) + 1
-                        out.append((_Place(label, root, steps), x))
+                    yield _Place(label, root, steps), x
                     continue
                 if id(x) in visited or budget <= 0:
                     continue
                 visited.add(id(x))
                 budget -= 1
+                yield _Place(label, root, steps), x
                 nxt += [(child, (*steps, s)) for s, child in _children(x)]
             frontier = nxt
+
+
+def _places(held: dict[int, torch.Tensor], roots: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
+    """The places holding each constant (at most a few per tensor)."""
+    found: dict[int, int] = {}
+    out: list[tuple[_Place, torch.Tensor]] = []
+    for place, x in _walk(roots):
+        if isinstance(x, torch.Tensor) and id(x) in held and found.get(id(x), 0) < _PER_TENSOR:
+            found[id(x)] = found.get(id(x), 0) + 1
+            out.append((place, x))
     return out
+
+
+def modules(fn: Any, owner: Any = None) -> tuple[torch.nn.Module, ...]:
+    """The ``nn.Module``s the step can reach (with all their submodules): their ``training`` flags
+    choose what is traced (dropout, batch norm's statistics), so they are part of the cache key and
+    ``model.eval()`` after compiling gets a program of its own instead of the train-mode one."""
+    found: dict[int, torch.nn.Module] = {}
+    for _, x in _walk(_roots(fn, owner)):
+        if isinstance(x, torch.nn.Module) and id(x) not in found:
+            for m in x.modules():
+                found.setdefault(id(m), m)
+    return tuple(found.values())
 
 
 def _children(x: Any) -> list[tuple[Any, Any]]:

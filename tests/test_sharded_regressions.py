@@ -640,3 +640,24 @@ def test_a_users_cat_feeding_an_all_reduce_is_not_taken_for_a_gradient_bucket() 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.testing.assert_close(s(params, tok), forward(params, tok), rtol=1e-5, atol=1e-4)
+
+
+def test_train_and_eval_modes_get_programs_of_their_own() -> None:
+    """``model.eval()`` after compiling in train mode kept the train-mode program (dropout still
+    applied), silently: the modules' training flags are now part of the compile-cache key."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3))
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    x = torch.randn(4, 8)
+
+    def forward(p: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,))
+
+    spec = {k: P() for k in params}
+    step = sharded(forward, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(spec, P("dp")), out_specs=P("dp"))
+    trained = step(params, x)
+    model.eval()
+    torch.testing.assert_close(step(params, x), forward(params, x))  # no dropout
+    assert not torch.allclose(trained, forward(params, x))
+    model.train()
+    torch.testing.assert_close(step(params, x), trained)  # the train-mode program again
