@@ -272,6 +272,19 @@ def test_each_pass_is_pure_and_switchable():
         sharded(
             lambda x: x, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P(),), out_specs=P(), passes=["fuse"]
         )
+    assert cp.options({"bucket", "overlap"}) == cp.options(["bucket", "overlap"])  # a set of names too
+    # reduce_dtype is carried out by the cast pass: with it off the option was silently ignored
+    with pytest.raises(ShardingError, match="sets reduce_dtype with the cast pass off"):
+        cp.options({"reduce_dtype": torch.bfloat16, "cast": False})
+    for bad in (1.5, float("inf"), -1, "8GB"):  # 1.5 ran as a budget of 1 byte
+        with pytest.raises(ShardingError, match="is not a positive number of bytes per rank"):
+            sharded(
+                lambda x: x,
+                mesh=Mesh({"dp": 2}, simulate=True),
+                in_specs=(P(),),
+                out_specs=P(),
+                memory_budget=bad,
+            )
 
 
 def test_explain_lists_each_launch_with_the_tensors_in_it():

@@ -111,8 +111,15 @@ def options(spec: Any) -> PassOptions:
             sizes[key] = _byte_count(size)
         spec = {**spec, **sizes}
         if not unknown:
-            return replace(PassOptions(), **dict(spec))
-    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+            opts = replace(PassOptions(), **dict(spec))
+            if opts.reduce_dtype is not None and not opts.cast:
+                raise fail(
+                    f"sharded(passes={shown(spec)}) sets reduce_dtype with the cast pass off; the cast "
+                    "pass is what reduces gradients in that dtype, so it would be ignored.",
+                    "leave 'cast' on (the default) to use reduce_dtype, or drop reduce_dtype.",
+                )
+            return opts
+    elif isinstance(spec, (Sequence, set, frozenset)) and not isinstance(spec, str):
         unknown = set(spec) - set(NAMES)
         if not unknown:
             on: dict[str, Any] = {name: name in spec for name in NAMES}

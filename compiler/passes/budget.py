@@ -53,10 +53,12 @@ def fewest_regathers(budget: int, candidates: int, peak: Callable[[int], int]) -
 
 
 def check_budget(budget: object) -> int | None:
-    """``memory_budget`` as given: None, or a positive number of bytes per rank."""
+    """``memory_budget`` as given: None, or a positive whole number of bytes per rank (a float such
+    as 8e9 too; 1.5 bytes is a mistake, not 1)."""
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+    whole = isinstance(budget, int) or (isinstance(budget, float) and budget.is_integer())
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not whole or budget <= 0:
         raise fail(
             f"sharded(memory_budget={shown(budget)}) is not a positive number of bytes per rank.",
             "pass the bytes one rank may hold at its peak, e.g. memory_budget=8 * 2**30 (8 GiB), "
