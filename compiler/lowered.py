@@ -114,9 +114,12 @@ class Lowered:
             if c.node.split(CAST)[0].endswith((AGAIN, REMAT_AGAIN))
         ]
         cast = {c.node.split(CAST)[0]: c for launch in self.launches() for c in launch if CAST in c.node}
+        ran = {c.node.split(CAST)[0] for launch in self.launches() for c in launch}
+        # a collective only backward used moves whole into a remat region's recomputation
+        moved = [c for c in self.program.inserted if c.node not in ran and c.node + REMAT_AGAIN in ran]
         return [
             CollectiveInfo(c.kind, c.axes, c.shape, c.dtype, c.bytes_per_rank, c.reason, c.source)
-            for c in (*(cast.get(c.node, c) for c in self.program.inserted), *again)
+            for c in (*(cast.get(c.node, c) for c in self.program.inserted if c not in moved), *again)
         ] + _p2p(self.program)
 
     def launches(self, rank: int = 0) -> list[list[Inserted]]:
@@ -139,7 +142,7 @@ class Lowered:
                 if members:
                     out.append(members)
         if self.program.pipeline is None:  # (a stage program holds only its position's collectives)
-            seen = {c.node.split(CAST)[0] for launch in out for c in launch}
+            seen = {c.node.split(CAST)[0].removesuffix(REMAT_AGAIN) for launch in out for c in launch}
             out += [[c] for c in self.program.inserted if c.node not in seen]
         if self.program.pipeline is not None:  # then the sends of the rank's pipeline position
             from compiler.pipeline.report import p2p_launches

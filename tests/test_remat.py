@@ -217,3 +217,39 @@ def test_a_bad_policy_names_the_choices():
 def test_outside_a_sharded_step_remat_is_the_function():
     w, x = torch.randn(4, 4), torch.randn(4, 4)
     assert torch.equal(shardspec.remat(torch.matmul)(x, w), x @ w)
+
+
+def test_cost_counts_a_collective_moved_whole_into_the_recomputation_once() -> None:
+    """ZeRO-3 with microbatches and remat: a collective only backward used leaves forward for the
+    recomputation; cost() and collectives() still listed the original too (2 all_to_alls, 512
+    bytes, the run never sent)."""
+    from collectives import count_bytes
+
+    cfg = gpt.Config(vocab=16, seq=8, d=16, heads=4, layers=1)
+    params = gpt.init(cfg)
+    opt = optim.sgd(lr=0.1)
+
+    def loss_fn(p, tok, tgt):
+        x = F.embedding(tok, p["wte"]) + p["wpe"][: tok.shape[1]]
+        x = shardspec.remat(lambda x, p: gpt.block(p, "h.0.", x, cfg.heads))(x, p)
+        x = F.layer_norm(x, (cfg.d,), p["ln_f.weight"], p["ln_f.bias"])
+        return F.cross_entropy(F.linear(x, p["head.weight"]).reshape(-1, cfg.vocab), tgt.reshape(-1))
+
+    def step(p, s, tok, tgt):
+        loss, g = shardspec.value_and_grad(loss_fn, microbatches=2)(p, tok, tgt)
+        p, s = opt.update(g, s, p)
+        return p, s, loss
+
+    g = torch.Generator().manual_seed(5)
+    tok, tgt = (torch.randint(0, 16, (4, 8), generator=g) for _ in range(2))
+    z3 = {k: P("dp") for k in params}
+    mesh = Mesh({"dp": 2}, simulate=True)
+    f = sharded(step, mesh=mesh, in_specs=(z3, {}, P("dp"), P("dp")), out_specs=(z3, {}, P()))
+    low = f.lower(params, {}, tok, tgt)
+    with count_bytes() as counted:
+        f(params, {}, tok, tgt)
+    cost = low.cost()
+    assert cost.collective_count == len(counted.records)
+    assert cost.comm_bytes_per_rank == counted.total_bytes_per_rank
+    kinds = Counter(r.kind for r in counted.records)  # launches: all_to_alls are never bucketed
+    assert Counter(c.kind for c in low.collectives())["all_to_all"] == kinds["all_to_all"] > 0
