@@ -16,7 +16,7 @@ import contextlib
 import inspect
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -164,6 +164,22 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
     )
 
 
+@contextlib.contextmanager
+def _tracing_flag() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true while the step is traced, as torch.export's
+    non-strict (make_fx) tracing sets it: libraries take their traceable paths. Inside
+    ``value_and_grad`` the tensors are functorch wrappers that transformers' own tracing checks
+    (FakeTensor or fx.Proxy) do not recognise, so it read mask values and refused the step."""
+    import torch.compiler as tc
+
+    old = tc._is_compiling_flag
+    tc._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = old
+
+
 def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
     """Trace with user source lines, then functionalize the traced graph.
 
@@ -174,7 +190,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
     decomp = decompositions()
 
     def with_sources(*tensors: torch.Tensor) -> Any:
-        with SourceTracker(), Rewrites():
+        with SourceTracker(), Rewrites(), _tracing_flag():
             return flat_fn(*tensors)
 
     # a lazy module: its Python code is generated only if the global graph is ever run or printed
