@@ -70,8 +70,11 @@ def sharded(
     reduce-scatters. ``donate=(0, 1)`` (as ``jax.jit(donate_argnums=...)``) lets the step write its
     results into those arguments' buffers (new parameters and optimizer state over the old, as torch
     optimizers update in place): on a real mesh the returned DTensors share the donated ones' local
-    storage; on a simulated mesh shards are copies anyway. A donated tensor passed again is an error
-    naming it (use the returned value); donating an argument the step returns unchanged is an error.
+    storage; on a simulated mesh shards are copies anyway. After the call a donated argument's
+    contents are unspecified, as in JAX: on a real mesh a replicated plain tensor (its block is the
+    tensor itself) holds the results, on a simulated mesh it is left as it was; do not read it. A
+    donated tensor passed again is an error naming it (use the returned value); donating an argument
+    the step returns unchanged is an error.
     ``pipeline=shardspec.Pipeline(axis="pp", schedule="1f1b")`` runs the step as pipeline stages cut
     at its ``shardspec.pipeline_boundary`` calls, one stage (or ``virtual_stages``) per position
     along ``axis``, scheduling ``value_and_grad``'s microbatches (see docs/pipeline.md).
