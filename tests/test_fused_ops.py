@@ -286,3 +286,32 @@ def test_attention_on_operands_with_a_strided_last_dim_is_computed_on_dense_rows
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
             for a, b in zip(got[1], want[1], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_multihead_attention_with_a_padding_mask_keeps_its_split() -> None:
+    """nn.MultiheadAttention with a key-padding mask (how nn.TransformerEncoderLayer calls it)
+    reaches the CPU flash kernel with the mask as ``attn_mask=``, a keyword: it had no rule, so the
+    step was refused (or, with unsupported='replicate', gathered). The mask is now an operand that
+    splits with the batch; loss and gradients equal the unsharded step's, and the attention kernels
+    move nothing (MHA's own seq-first reshapes of a split batch still gather, as without a mask)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    params = {k: p.detach().clone() for k, p in layer.named_parameters()}
+    x = torch.randn(4, 6, 8)
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[0, -2:] = True
+
+    def loss(p: Any, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, p, (x,), {"src_key_padding_mask": pad}).square().mean()
+
+    def step(p: Any, x: torch.Tensor, pad: torch.Tensor) -> Any:
+        return value_and_grad(loss)(p, x, pad)
+
+    rep = {k: P() for k in params}
+    f = sharded(step, mesh=DP2, in_specs=(rep, P("dp"), P("dp")), out_specs=(P(), rep))
+    got, want = f(params, x, pad), step(params, x, pad)
+    torch.testing.assert_close(got[0], want[0])
+    for k in params:
+        torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-4, atol=1e-6, msg=k)
+    reasons = [c.reason for c in f.lower(params, x, pad).collectives()]
+    assert not [r for r in reasons if "flash_attention" in r.split(" (rule")[0]], reasons

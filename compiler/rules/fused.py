@@ -48,14 +48,25 @@ def flash_attention(node: Node) -> Built:
         raise KeyError("attention over other than (batch, heads, seq, dim)")
     causal = bool(arg(node, 4, node.kwargs.get("is_causal", False)))
     sq = "s!" if causal else "s"
-    return (
-        line(
-            [["b", "h", sq, "d!"], ["b", "h", "t!", "d!"], ["b", "h", "t!", "e!"]],
-            [["b", "h", sq, "e!"], ["b", "h", sq]],
-        ),
-        "none",
-        [q, k, v],
-    )
+    operands, tokens = [q, k, v], [["b", "h", sq, "d!"], ["b", "h", "t!", "d!"], ["b", "h", "t!", "e!"]]
+    _with_mask(node, operands, tokens, ["b", "h", sq, "t!"])
+    return line(tokens, [["b", "h", sq, "e!"], ["b", "h", sq]]), "none", operands
+
+
+def _with_mask(node: Node, operands: list[Node], tokens: list[list[str]], scores: list[str]) -> None:
+    """An ``attn_mask=`` (keyword-only in the CPU kernels) as one more operand: a (…, s, t) tensor
+    broadcast against the scores, so each of its dims is the scores' factor or, where its size is
+    1, a broadcast ``1`` (a key-padding mask (b, 1, 1, t) splits with the batch)."""
+    mask = node.kwargs.get("attn_mask")
+    if mask is None:
+        return
+    if not isinstance(mask, Node):
+        raise KeyError("attn_mask that is not a traced tensor")
+    shape = shape_of(mask)
+    if len(shape) > 4:
+        raise KeyError("attn_mask of more than 4 dims")
+    operands.append(mask)
+    tokens.append(["1" if n == 1 else t for n, t in zip(shape, scores[4 - len(shape) :], strict=True)])
 
 
 def flash_attention_backward(node: Node) -> Built:
@@ -68,11 +79,9 @@ def flash_attention_backward(node: Node) -> Built:
         raise KeyError("dropout inside attention")
     qt, kt, vt = ["b", "h", "s!", "d!"], ["b", "h", "t!", "d!"], ["b", "h", "t!", "e!"]
     ot = ["b", "h", "s!", "e!"]
-    return (
-        line([ot, qt, kt, vt, ot, ["b", "h", "s!"]], [qt, kt, vt]),
-        "first",
-        [g, q, k, v, out, lse],
-    )
+    operands, tokens = [g, q, k, v, out, lse], [ot, qt, kt, vt, ot, ["b", "h", "s!"]]
+    _with_mask(node, operands, tokens, ["b", "h", "s!", "t!"])
+    return line(tokens, [qt, kt, vt]), "first", operands
 
 
 def adamw(node: Node) -> Built:

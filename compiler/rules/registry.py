@@ -368,14 +368,14 @@ def rule_for(node: Node) -> tuple[Rule, list[Node]]:
         raise MissingRule(str(node.target))
     keyword_tensors: list[Node] = []
     torch.fx.node.map_arg(node.kwargs, keyword_tensors.append)
-    if keyword_tensors:
-        # the lowering places positional operands only: a tensor passed by keyword would reach
-        # the kernel as whatever block its producer left (segment_reduce's lengths=, weight=)
-        raise MissingRule(f"{node.target} (a tensor passed by keyword)")
     try:
         text, linear, operands = build(node)
     except (KeyError, IndexError, TypeError, ValueError, AssertionError, ArithmeticError) as exc:
         raise MissingRule(f"{node.target} ({exc})") from None
+    if any(t not in operands for t in keyword_tensors):
+        # a tensor passed by keyword that the rule does not place would reach the kernel as
+        # whatever block its producer left (segment_reduce's lengths=, weight=)
+        raise MissingRule(f"{node.target} (a tensor passed by keyword)")
     rule = parse(text, b.exact_linearity(node, linear, operands))
     _check_fits(node, rule, operands)
     return rule, operands
