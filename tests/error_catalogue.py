@@ -81,6 +81,37 @@ def _closure_write(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+_TABLE = {"scale": torch.ones(4)}
+
+
+def _rebound_constant() -> Any:
+    """A step compiled, then the dict entry it reads a tensor from set to another tensor."""
+    table = {"scale": torch.ones(4)}
+    _TABLE.update(table)
+    step = _step(lambda x: x * _TABLE["scale"], (P("dp"),), P("dp"))
+    step(torch.ones(4))
+    _TABLE["scale"] = torch.full((4,), 2.0)
+    return step(torch.ones(4))
+
+
+def _damaged_checkpoint() -> Any:
+    import tempfile
+
+    from shardspec import checkpoint
+
+    tree = {"w": torch.full((3,), 2.0)}
+    with tempfile.TemporaryDirectory() as root:
+        saved = checkpoint.save(root, tree, step=1)
+        shard = next(saved.glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[data.find(bytes(tree["w"].numpy().tobytes()))] ^= 0x10
+        shard.write_bytes(bytes(data))
+        try:
+            return checkpoint.load(root, like=tree)
+        except shardspec.ShardingError as exc:  # the temporary path, named in the message, goes
+            raise shardspec.ShardingError(str(exc).replace(root, "ckpt")) from None
+
+
 def _nonzero(x: torch.Tensor) -> torch.Tensor:
     return x[x > 0].sum()
 
@@ -337,6 +368,12 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "purity",
+        "a closed-over tensor rebound after compiling",
+        _rebound_constant,
+        ("_TABLE['scale'] was set to another tensor", "arguments"),
+    ),
+    Case(
+        "purity",
         "a value-dependent shape (boolean indexing)",
         lambda: _step(_nonzero, (P("dp"),), P())(X),
         ("depends on tensor values", "torch.where"),
@@ -527,6 +564,18 @@ CASES: tuple[Case, ...] = (
         "a gradient reduction dtype that is not floating",
         lambda: _step(_mlp, (P(), P("dp")), P(), passes={"reduce_dtype": torch.int32}),
         ("reduce_dtype", "torch.int32", "torch.bfloat16"),
+    ),
+    Case(
+        "memory",
+        "a gradient reduction dtype with the cast pass off",
+        lambda: _step(_mlp, (P(), P("dp")), P(), passes={"reduce_dtype": torch.bfloat16, "cast": False}),
+        ("reduce_dtype with the cast pass off", "leave 'cast' on"),
+    ),
+    Case(
+        "checkpoints",
+        "a damaged shard file",
+        _damaged_checkpoint,
+        ("ckpt/step-00000001 is damaged", "__0_0.distcp (CRC-32", "verify=False"),
     ),
 )
 
