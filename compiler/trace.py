@@ -200,6 +200,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
             with_sources, tracing_mode="fake", decomposition_table=decomp, _allow_non_fake_inputs=True
         )(*inputs)
         _reject_constant_mutation(first)
+        _lift_constants_written_with_inputs(first)
         _reject_scalar_extraction(first)
         if _already_functional(first):
             return first
@@ -280,6 +281,45 @@ def _reject_constant_mutation(module: torch.fx.GraphModule) -> None:
                 "pass that tensor in as an argument and return its new value, e.g. "
                 "`buf = buf + x` ... `return ..., buf`.",
             )
+
+
+def _lift_constants_written_with_inputs(module: torch.fx.GraphModule) -> None:
+    """``torch.zeros_like(T).add_(x)`` with ``T`` closed over: ops on constants alone run on plain
+    tensors when the graph is replayed under functionalize, and an in-place write of a traced value
+    into their result is a PyTorch internal assert. Each constant such a write descends from is
+    read through ``lift_fresh_copy`` (what tracing does for ``torch.tensor(...)``), so the whole
+    chain is functional; a write to the constant itself is refused above."""
+    graph = module.graph
+    plain: set[torch.fx.Node] = set()  # replayed on plain tensors: computed from constants alone
+    for n in graph.nodes:
+        ins = n.all_input_nodes
+        if n.op == "get_attr" or (n.op == "call_function" and ins and all(a in plain for a in ins)):
+            plain.add(n)
+    lift: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        target = n.args[0] if n.args else None
+        if (
+            n.op == "call_function"
+            and schema is not None
+            and schema.is_mutable
+            and isinstance(target, torch.fx.Node)
+            and target in plain
+            and any(a not in plain for a in n.all_input_nodes)  # a functional value (even a factory's)
+        ):
+            todo = [target]
+            while todo:
+                x = todo.pop()
+                if x.op == "get_attr":
+                    lift.add(x)
+                todo += x.all_input_nodes
+    for const in lift:
+        with graph.inserting_after(const):
+            lifted = graph.call_function(aten.lift_fresh_copy.default, (const,))
+        lifted.meta.update(const.meta)
+        const.replace_all_uses_with(lifted, delete_user_cb=lambda u, keep=lifted: u is not keep)
+    if lift:
+        module.recompile()
 
 
 def _reject_scalar_extraction(module: torch.fx.GraphModule) -> None:

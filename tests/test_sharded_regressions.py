@@ -661,3 +661,31 @@ def test_train_and_eval_modes_get_programs_of_their_own() -> None:
     assert not torch.allclose(trained, forward(params, x))
     model.train()
     torch.testing.assert_close(step(params, x), trained)  # the train-mode program again
+
+
+_T = torch.randn(4, 3)
+
+
+def test_an_in_place_write_of_an_input_into_a_tensor_made_from_a_constant_runs_as_eager() -> None:
+    """Ops on closed-over constants alone run on plain tensors when the trace is functionalized: a
+    write of a traced value into their result (``torch.zeros_like(T).add_(x)``, or inside
+    ``F.cosine_similarity(x, T)``'s backward) was a PyTorch internal assert."""
+    import torch.nn.functional as F
+
+    mesh = Mesh({"a": 2}, simulate=True)
+    x = torch.randn(4, 3)
+    steps = [
+        lambda x: torch.zeros_like(_T).add_(x),
+        lambda x: (_T * 2.0).add_(x),
+        lambda x: _T.clone().mul_(x),
+    ]
+    for f in steps:
+        torch.testing.assert_close(sharded(f, mesh=mesh, in_specs=(P("a"),), out_specs=P())(x), f(x))
+
+    def g(x: torch.Tensor) -> Any:
+        return shardspec.value_and_grad(lambda x: F.cosine_similarity(x, _T, dim=1).sum())(x)
+
+    got, want = sharded(g, mesh=mesh, in_specs=(P("a"),), out_specs=(P(), P("a")))(x), g(x)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(shardspec.ShardingError, match="modifies in place a tensor the step closes over"):
+        sharded(lambda x: _T.add_(x), mesh=mesh, in_specs=(P("a"),), out_specs=P())(x)
