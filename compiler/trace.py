@@ -317,7 +317,8 @@ def _lift_constants_written_with_inputs(module: torch.fx.GraphModule) -> None:
         with graph.inserting_after(const):
             lifted = graph.call_function(aten.lift_fresh_copy.default, (const,))
         lifted.meta.update(const.meta)
-        const.replace_all_uses_with(lifted, delete_user_cb=lambda u, keep=lifted: u is not keep)
+        for user in [u for u in const.users if u is not lifted]:
+            user.replace_input_with(const, lifted)
     if lift:
         module.recompile()
 

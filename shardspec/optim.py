@@ -35,6 +35,29 @@ def _check_state(opt: Any, state: Any, keys: tuple[str, ...]) -> None:
         )
 
 
+def _check_trees(opt: Any, params: Any, **trees: Any) -> None:
+    """``grads`` and the state's trees have ``params``' structure (a pytree error naming dict keys
+    and printing fake tensors otherwise)."""
+    want = optree.tree_structure(params, none_is_leaf=False)
+    for name, tree in trees.items():
+        if optree.tree_structure(tree, none_is_leaf=False) == want:
+            continue
+        mine = set(map(_path, optree.tree_paths(params, none_is_leaf=False)))
+        theirs = set(map(_path, optree.tree_paths(tree, none_is_leaf=False)))
+        missing = sorted(mine - theirs)[:5]
+        extra = sorted(theirs - mine)[:5]
+        raise fail(
+            f"{opt!r}.update: {name} does not have the parameters' tree structure (leaves in params "
+            f"but not in {name}: {missing or 'none'}; in {name} but not in params: {extra or 'none'}).",
+            "pass gradients for every parameter (value_and_grad of the loss with respect to the whole "
+            "params tree) and a state built by this optimizer's init(params) for the same tree.",
+        )
+
+
+def _path(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{k!r}]" for k in path) or "(the whole tree)"
+
+
 @dataclass(frozen=True)
 class SGD:
     lr: float
@@ -48,6 +71,9 @@ class SGD:
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
         _check_state(self, state, ("momentum",) if self.momentum else ())
+        _check_trees(
+            self, params, grads=grads, **({"state['momentum']": state["momentum"]} if self.momentum else {})
+        )
         if self.momentum:
             buf = _map(lambda b, g: self.momentum * b + g, state["momentum"], grads)
             return _map(lambda p, b: p - self.lr * b, params, buf), {"momentum": buf}
@@ -73,6 +99,7 @@ class AdamW:
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
         _check_state(self, state, ("step", "m", "v"))
+        _check_trees(self, params, grads=grads, **{"state['m']": state["m"], "state['v']": state["v"]})
         step = state["step"] + 1
         hyper = (self.lr, *self.betas, self.eps, self.weight_decay)
         new = _map(

@@ -2,6 +2,7 @@
 
 import inspect
 
+import pytest
 import torch
 
 from shardspec import optim
@@ -117,3 +118,26 @@ def test_adamw_refuses_mixed_dtypes_inside_a_step_as_eagerly_and_takes_a_tensor_
     for grads, state in ((g, optim.adamw().init(bf)), ({"w": g["w"].bfloat16()}, s)):
         with pytest.raises(ShardingError, match="refuses mixed dtypes"):
             f(bf, state, grads, 0.1)
+
+
+def test_grads_or_state_of_another_tree_name_the_missing_leaves():
+    """A gradient tree missing a parameter, or state built for other parameters, was optree's
+    ValueError printing the fake tensors."""
+    from shardspec import Mesh, P, ShardingError, sharded
+
+    params = {"w": torch.randn(4), "b": torch.randn(2)}
+    mesh = Mesh({"a": 2}, simulate=True)
+    for opt in (optim.sgd(0.1), optim.sgd(0.1, momentum=0.9), optim.adamw(0.1)):
+        step = sharded(
+            lambda p, s, opt=opt: opt.update({"w": p["w"] * 2}, s, p),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(),
+        )
+        with pytest.raises(
+            ShardingError, match=r"grads does not have the parameters' tree structure.*\['b'\]"
+        ):
+            step(params, opt.init(params))
+        if opt.init(params):  # a state: built for another tree
+            with pytest.raises(ShardingError, match=r"state\['(m|momentum)'\] does not have.*\['b'\]"):
+                opt.update(params, opt.init({"w": params["w"]}), params)
