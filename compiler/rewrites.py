@@ -132,7 +132,12 @@ def sdpa_math(
             if attn_mask.dtype == torch.bool
             else scores + attn_mask
         )
-    probs = torch.softmax(scores, dim=-1)
+        # torch's safe softmax: a query row whose every key is masked attends to nothing (zeros, and
+        # zero gradients), not NaN; its scores are zeroed first so the softmax and its backward stay finite
+        none = (scores == float("-inf")).all(dim=-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(none, 0.0), dim=-1).masked_fill(none, 0.0)
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return (batched_matmul if _many_batch_dims(probs, value) else torch.matmul)(probs, value)
 
 

@@ -315,3 +315,23 @@ def test_multihead_attention_with_a_padding_mask_keeps_its_split() -> None:
         torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-4, atol=1e-6, msg=k)
     reasons = [c.reason for c in f.lower(params, x, pad).collectives()]
     assert not [r for r in reasons if "flash_attention" in r.split(" (rule")[0]], reasons
+
+
+def test_attention_with_a_fully_masked_query_row_gives_zeros_not_nan() -> None:
+    """torch's attention uses a safe softmax: a query row whose every key is masked (a left-padded
+    sequence) attends to nothing, with zero gradients. The math form gave NaN, and a left-padded
+    batch trained on a NaN loss."""
+    q, k, v = (_gen(2, 2, 4, 8, seed=s) for s in range(3))
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[0, :, 0, :] = False
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).square().sum()
+
+    _check(fn, (q, k, v), (P("dp"),) * 3, DP2, (0, 1, 2))
+    additive = torch.zeros(2, 1, 4, 4).masked_fill(~mask, float("-inf"))
+
+    def fn_add(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive).square().sum()
+
+    _check(fn_add, (q, k, v), (P("dp"),) * 3, DP2, (0, 1, 2))
