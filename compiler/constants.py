@@ -1,26 +1,38 @@
 """Tensors a step closes over are constants of its compiled program: their values are read when it
 is traced. A later change would not be seen: in place (``w.mul_(2)``, ``w.data = ...``), or by
 rebinding what the step reads (``W = ...`` for a global, ``self.w = ...``, ``model.weight =
-nn.Parameter(...)``, ``cfg["scale"] = ...``). So after compiling, the places the step reaches each
-constant from are found (its globals and closure cells, the helpers it calls, a method's ``self``,
-and objects, modules, dicts and lists under them), and every call checks that each place still holds
-that tensor, with the same storage and version counter, and refuses a call where one changed."""
+nn.Parameter(...)``, ``cfg["scale"] = ...``). So when a program is compiled, the places the step
+reaches each constant from are found, and every call checks that each place still holds that tensor,
+with the same storage and version counter, and refuses a call where one changed.
+
+The places are found by walking from roots: the globals the step's code loads (by its bytecode, so
+an attribute name is not taken for a global), its closure cells and default arguments, a partial's
+arguments, a callable object or a method's ``self``, and the same for the functions, module and
+class attributes and ``nn.Module`` forwards reached from those; below a root through attributes
+named in that code, ``nn.Module`` parameters, buffers and submodules (any depth), and dict and list
+items, within a budget per root (a huge unrelated global cannot starve the others)."""
 
 from __future__ import annotations
 
+import dis
+import functools
+import itertools
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from shardspec.errors import fail
 
-_DEPTH = 5  # attribute / item steps below a root
-_BUDGET = 20_000  # objects visited per compile: a huge global structure is not walked whole
-_PER_TENSOR = 4  # places recorded per constant (tied weights are reached several ways)
+_DEPTH = 6  # attribute / item steps below a root (module parameters: any depth)
+_BUDGET = 5_000  # objects visited per root
+_ITEMS = 256  # items of a dict or list looked at
+_PER_TENSOR = 16  # places recorded per constant (tied weights are reached several ways)
 _SKIPPED = ("torch", "shardspec", "compiler", "collectives", "optree", "einops", "numpy", "builtins")
+_KEYS = (str, int, float, bool, tuple, type(None))
 
 
 @dataclass(frozen=True)
@@ -59,14 +71,24 @@ def snapshot(constants: list[tuple[str, torch.Tensor]], fn: Any, owner: Any = No
             version = None
         tensors.append((what, t, version, t.data_ptr()))
     held = {id(t): t for _, t in constants}
-    return Snapshot(tuple(tensors), tuple(_places(held, _roots(fn, owner))) if held else ())
+    code = _Code(fn, owner)
+    for place, x in _walk(code):
+        if isinstance(x, FakeTensor):
+            raise fail(
+                f"tracing the step stored one of its traced values in {place} (e.g. a cache such as "
+                "`self.mask = torch.tril(...)` or `self.pe = self.pe.to(x.dtype)` inside forward): it "
+                "is a placeholder without data, so later eager code reading it would compute garbage.",
+                "keep the step from writing to Python objects: build such tensors before compiling "
+                "(in __init__), or compute them inside the step without storing them.",
+            )
+    return Snapshot(tuple(tensors), tuple(_places(held, code)) if held else ())
 
 
 def check_unchanged(snap: Snapshot, name: Any) -> None:
     for place, t in snap.places:
         try:
             now = place.resolve()
-        except (AttributeError, LookupError, TypeError):
+        except (AttributeError, LookupError, TypeError, ValueError):  # ValueError: an emptied cell
             now = None
         if now is not t:
             raise fail(
@@ -85,50 +107,128 @@ def check_unchanged(snap: Snapshot, name: Any) -> None:
             )
 
 
-def _roots(fn: Any, owner: Any) -> list[tuple[str, Callable[[], Any]]]:
-    """``self``, then the globals and closure cells of ``fn`` and of the functions they hold."""
-    roots: list[tuple[str, Callable[[], Any]]] = []
-    if owner is not None:
-        roots.append(("self", lambda: owner))
-    seen: set[int] = set()
-    todo = [getattr(fn, "__func__", fn)]
-    while todo and len(seen) < 64:
-        f = todo.pop()
+def modules(fn: Any, owner: Any = None) -> tuple[torch.nn.Module, ...]:
+    """The ``nn.Module``s the step can reach (with all their submodules): their ``training`` flags
+    choose what is traced (dropout, batch norm's statistics), so they are part of the cache key and
+    ``model.eval()`` after compiling gets a program of its own instead of the train-mode one."""
+    found: dict[int, torch.nn.Module] = {}
+    code = _Code(fn, owner)
+    for _, x in _walk(code):
+        if isinstance(x, torch.nn.Module) and id(x) not in found:
+            for m in x.modules():
+                found.setdefault(id(m), m)
+    return tuple(found.values())
+
+
+class _Code:
+    """The roots of a step, and the attribute names its code (and the code it reaches) uses."""
+
+    def __init__(self, fn: Any, owner: Any) -> None:
+        self.roots: list[tuple[str, Callable[[], Any]]] = []
+        self.attrs: set[str] = set()
+        self._seen: set[int] = set()
+        if owner is not None:
+            self.roots.append(("self", _fixed(owner)))
+        todo = [fn]
+        while todo and len(self._seen) < 256:
+            todo += self._expand(todo.pop())
+
+    def _expand(self, f: Any) -> list[Any]:
+        """Roots and attribute names of one callable; the callables it reaches, to expand next."""
+        if id(f) in self._seen:
+            return []
+        self._seen.add(id(f))
+        if isinstance(f, torch.nn.Module):  # its forwards (a torch container's user-defined parts)
+            return list({type(m).forward: None for m in f.modules() if not _skipped(type(m))})
+        if hasattr(f, "__wrapped__") and not isinstance(f, type):  # a decorated or nested sharded step
+            return [f.__wrapped__]
+        if _skipped(f):
+            return []
+        if isinstance(f, types.ModuleType):  # pkg.mod.fn(...): the functions the code names in it
+            names = sorted(a for a in self.attrs if not a.startswith("__") and hasattr(f, a))
+            self.roots += [(f"{f.__name__}.{a}", _attribute(f, a)) for a in names]
+            return [getattr(f, a) for a in names]
+        if isinstance(f, functools.partial):
+            for i, a in enumerate(f.args):
+                self.roots.append((f"partial argument {i}", _fixed(a)))
+            for k, a in f.keywords.items():
+                self.roots.append((f"partial argument {k}", _fixed(a)))
+            return [f.func, *f.args, *f.keywords.values()]
+        if isinstance(f, types.MethodType):
+            self.roots.append(("self", _fixed(f.__self__)))
+            return [f.__func__, f.__self__]
         code = getattr(f, "__code__", None)
-        if code is None or id(f) in seen or _skipped(f):
-            continue
-        seen.add(id(f))
+        if code is None:
+            defined = (c.__dict__["__call__"] for c in type(f).__mro__ if "__call__" in c.__dict__)
+            call = next(defined, None) if callable(f) else None
+            if isinstance(call, types.FunctionType) and not isinstance(f, type):
+                self.roots.append(("the step object", _fixed(f)))  # a callable object
+                return [call]
+            return []
+        loads, attrs = _names(code)
+        self.attrs |= attrs
         env: dict[str, Any] = getattr(f, "__globals__", {})
-        names = _names(code)
-        for name in sorted(names):
-            if name in env:
-                roots.append((name, _getter(env, name)))
-                todo.append(env[name])
-                if isinstance(env[name], types.ModuleType) and not _skipped(env[name]):
-                    todo += [getattr(env[name], n) for n in names if hasattr(env[name], n)]
+        out = []
+        for name in sorted(loads):
+            if name not in env:
+                continue
+            value = env[name]
+            self.roots.append((name, _global(env, name)))
+            out.append(value)
+            if isinstance(value, (types.ModuleType, type)) and not _skipped(value):
+                for a in sorted(attrs):  # module and class attributes the code names: tables.W
+                    if not a.startswith("__") and hasattr(value, a):
+                        self.roots.append((f"{name}.{a}", _attribute(value, a)))
+                        out.append(getattr(value, a))
         for name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
-            roots.append((name, _cell(cell)))
+            self.roots.append((name, _cell(cell)))
             try:
-                todo.append(cell.cell_contents)
+                out.append(cell.cell_contents)
             except ValueError:  # a cell not yet filled
                 continue
-    return roots
+        named = getattr(f, "__name__", "the step")
+        for i, _ in enumerate(getattr(f, "__defaults__", None) or ()):
+            self.roots.append((f"{named}'s default {i}", _default(f, "__defaults__", i)))
+        for k in getattr(f, "__kwdefaults__", None) or {}:
+            self.roots.append((f"{named}'s default {k}", _default(f, "__kwdefaults__", k)))
+        return out
 
 
-def _getter(env: dict[str, Any], name: str) -> Callable[[], Any]:
+def _fixed(x: Any) -> Callable[[], Any]:
+    return lambda: x
+
+
+def _default(f: Any, where: str, key: Any) -> Callable[[], Any]:
+    return lambda: getattr(f, where)[key]
+
+
+def _global(env: dict[str, Any], name: str) -> Callable[[], Any]:
     return lambda: env.get(name)
+
+
+def _attribute(obj: Any, name: str) -> Callable[[], Any]:
+    return lambda: getattr(obj, name)
 
 
 def _cell(cell: Any) -> Callable[[], Any]:
     return lambda: cell.cell_contents
 
 
-def _names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
+def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """The global names ``code`` loads and the attribute names it uses (nested code included)."""
+    loads: set[str] = set()
+    attrs: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str):
+            loads.add(ins.argval)
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR") and isinstance(ins.argval, str):
+            attrs.add(ins.argval)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):  # nested functions and comprehensions
-            names |= _names(c)
-    return names
+            inner = _names(c)
+            loads |= inner[0]
+            attrs |= inner[1]
+    return loads, attrs
 
 
 def _skipped(x: Any) -> bool:
@@ -136,16 +236,16 @@ def _skipped(x: Any) -> bool:
     return isinstance(module, str) and module.split(".")[0] in _SKIPPED
 
 
-def _walk(roots: list[tuple[str, Callable[[], Any]]]) -> Iterator[tuple[_Place, Any]]:
-    """Breadth first from the roots, each object once (tensors at every place they are found),
-    a few levels deep and within a budget."""
-    visited: set[int] = set()
-    budget = _BUDGET
-    for label, root in roots:
+def _walk(code: _Code) -> Iterator[tuple[_Place, Any]]:
+    """Breadth first from each root, each object once per root (tensors at every place they are
+    found), a few levels deep and within a budget per root."""
+    for label, root in code.roots:
         try:
             frontier: list[tuple[Any, tuple[Any, ...]]] = [(root(), ())]
-        except ValueError:
+        except (ValueError, AttributeError):
             continue
+        visited: set[int] = set()
+        budget = _BUDGET
         for _ in range(_DEPTH + 1):
             nxt = []
             for x, steps in frontier:
@@ -157,50 +257,53 @@ def _walk(roots: list[tuple[str, Callable[[], Any]]]) -> Iterator[tuple[_Place, 
                 visited.add(id(x))
                 budget -= 1
                 yield _Place(label, root, steps), x
-                nxt += [(child, (*steps, s)) for s, child in _children(x)]
+                if isinstance(x, torch.nn.Module):  # parameters and buffers at any depth
+                    named = itertools.chain(x.named_parameters(), x.named_buffers())
+                    for dotted, t in itertools.islice(named, 100_000):
+                        yield _Place(label, root, (*steps, *dotted.split("."))), t
+                nxt += [(child, (*steps, s)) for s, child in _children(x, code.attrs)]
             frontier = nxt
 
 
-def _places(held: dict[int, torch.Tensor], roots: list[tuple[str, Callable[[], Any]]]) -> list[Any]:
+def _places(held: dict[int, torch.Tensor], code: _Code) -> list[Any]:
     """The places holding each constant (at most a few per tensor)."""
     found: dict[int, int] = {}
     out: list[tuple[_Place, torch.Tensor]] = []
-    for place, x in _walk(roots):
+    seen: set[str] = set()
+    for place, x in _walk(code):
         if isinstance(x, torch.Tensor) and id(x) in held and found.get(id(x), 0) < _PER_TENSOR:
+            if str(place) in seen:
+                continue
+            seen.add(str(place))
             found[id(x)] = found.get(id(x), 0) + 1
             out.append((place, x))
     return out
 
 
-def modules(fn: Any, owner: Any = None) -> tuple[torch.nn.Module, ...]:
-    """The ``nn.Module``s the step can reach (with all their submodules): their ``training`` flags
-    choose what is traced (dropout, batch norm's statistics), so they are part of the cache key and
-    ``model.eval()`` after compiling gets a program of its own instead of the train-mode one."""
-    found: dict[int, torch.nn.Module] = {}
-    for _, x in _walk(_roots(fn, owner)):
-        if isinstance(x, torch.nn.Module) and id(x) not in found:
-            for m in x.modules():
-                found.setdefault(id(m), m)
-    return tuple(found.values())
-
-
-def _children(x: Any) -> list[tuple[Any, Any]]:
-    """The (step, value) pairs below ``x`` a step may read a tensor through."""
+def _children(x: Any, attrs: set[str]) -> list[tuple[Any, Any]]:
+    """The (step, value) pairs below ``x`` a step may read a tensor through: an object's attributes
+    its code names, a module's submodules, dict and list items."""
     if isinstance(x, torch.nn.Module):
-        own = {**x._parameters, **x._buffers, **x._modules}
-        rest = [(k, v) for k, v in _attributes(x) if k not in ("_parameters", "_buffers", "_modules")]
-        return [(k, v) for k, v in own.items() if v is not None] + rest
+        return [(k, v) for k, v in x._modules.items() if v is not None] + _attributes(x, attrs)
     if isinstance(x, dict):
-        return [(("item", k), v) for k, v in list(x.items())[:256] if isinstance(k, (str, int))]
+        items = itertools.islice(x.items(), _ITEMS)
+        return [(("item", k), v) for k, v in items if isinstance(k, _KEYS)]
     if isinstance(x, (list, tuple)):
-        return [(("item", i), v) for i, v in enumerate(x[:256])]
+        return [(("item", i), v) for i, v in enumerate(itertools.islice(x, _ITEMS))]
     if isinstance(x, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)) or _skipped(x):
         return []
-    return _attributes(x)
+    return _attributes(x, attrs)
 
 
-def _attributes(x: Any) -> list[tuple[Any, Any]]:
-    attrs = getattr(x, "__dict__", None)
-    if not isinstance(attrs, dict):
-        return []
-    return [(k, v) for k, v in list(attrs.items())[:256] if isinstance(k, str) and not k.startswith("__")]
+def _attributes(x: Any, attrs: set[str]) -> list[tuple[Any, Any]]:
+    """``x``'s attributes that the step's code names (``self.history`` holding the same tensor as
+    ``self.table`` is not a place the step reads), from ``__dict__`` and ``__slots__``."""
+    out = []
+    held = getattr(x, "__dict__", None)
+    if isinstance(held, dict):
+        out += [(k, v) for k, v in held.items() if isinstance(k, str) and k in attrs]
+    for cls in type(x).__mro__:
+        for k in getattr(cls, "__slots__", ()) if isinstance(getattr(cls, "__slots__", ()), tuple) else ():
+            if k in attrs and hasattr(x, k):
+                out.append((k, getattr(x, k)))
+    return out

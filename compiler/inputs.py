@@ -206,8 +206,9 @@ def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
     what = (
         f"ranks called different sharded steps at the same point ({name}(...) on some): rank groups {ranks}",
         f"ranks called {name}(...) with different arguments (tree structure, shapes, dtypes, Python "
-        f"scalar values, the values of small CPU tensors such as a 0-dim learning rate, or which are "
-        f"DTensors and their placements differ): rank groups {ranks}",
+        f"scalar values, the values of small CPU tensors such as a 0-dim learning rate, which are "
+        f"DTensors and their placements, or the train/eval mode of the nn.Modules the step reaches "
+        f"differ): rank groups {ranks}",
         f"ranks compiled different programs for {name}(...) (specs, collective sequences, or Python "
         f"values baked into the step, such as a learning rate a closure captured, differ): rank groups "
         f"{ranks}",

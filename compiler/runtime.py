@@ -154,7 +154,7 @@ class ShardedFunction:
             globals_ = tuple(_global_view(a, device) for a in args)
             token = _TRACING.set(self.mesh)
             try:
-                self._cache[key] = compile_program(
+                program = compile_program(
                     self.fn,
                     globals_,
                     self.mesh,
@@ -169,6 +169,9 @@ class ShardedFunction:
                 )
             finally:
                 _TRACING.reset(token)
+            # what it closes over, as compiled (lower() included); cached only once that is known
+            self._constants[id(program)] = constants.snapshot(_constants(program), self.fn, self._owner)
+            self._cache[key] = program
         return self._cache[key], key
 
     def _warn_recompiles(self, key: tuple[Any, ...], args: tuple[Any, ...]) -> None:
@@ -232,15 +235,10 @@ class ShardedFunction:
             )
         try:
             program, key = self._program(args)
+            constants.check_unchanged(self._constants[id(program)], self.__name__)
         except Exception:
             self._tell_other_ranks_this_one_failed()
             raise
-        snap = self._constants.get(id(program))
-        if snap is None:
-            snap = self._constants[id(program)] = constants.snapshot(
-                _constants(program), self.fn, self._owner
-            )
-        constants.check_unchanged(snap, self.__name__)
         tensors = [leaves[i] for i in program.traced.tensor_positions]
         if program.donated:
             _check_donated_alone(tensors, program)

@@ -689,3 +689,86 @@ def test_an_in_place_write_of_an_input_into_a_tensor_made_from_a_constant_runs_a
     torch.testing.assert_close(got, want)
     with pytest.raises(shardspec.ShardingError, match="modifies in place a tensor the step closes over"):
         sharded(lambda x: _T.add_(x), mesh=mesh, in_specs=(P("a"),), out_specs=P())(x)
+
+
+class _Tables:
+    W = torch.ones(4)
+
+
+_DEFAULT_W = torch.ones(4)
+
+
+def _uses_default(x: torch.Tensor, w: torch.Tensor = _DEFAULT_W) -> torch.Tensor:
+    return x * w
+
+
+_HANDLE = torch.ones(4)
+
+
+def test_constant_places_the_step_reaches_in_other_ways_and_places_it_does_not_read() -> None:
+    """Rebinding after ``lower()`` (the snapshot was taken at the first call), through a partial, a
+    class attribute or a helper's default was silently stale; ``model.eval()`` under a partial kept
+    the train-mode program; a global that only shares a name with an attribute the step reads, or an
+    attribute the step never names, was refused; a traced value stored in a module is an error."""
+    import functools
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+    x = torch.ones(4)
+    spec = dict(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+
+    w = torch.ones(4)
+    s = sharded(lambda x: x * w, **spec)
+    s.lower(x)
+    w = torch.full((4,), 3.0)
+    with pytest.raises(shardspec.ShardingError, match="w was set to another tensor"):
+        s(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    xs = torch.randn(2, 4)
+    s = sharded(functools.partial(lambda x, m: m(x), m=model), **spec)
+    s(xs)
+    model.eval()
+    torch.testing.assert_close(s(xs), model(xs))
+
+    s = sharded(lambda x: x * _Tables.W, **spec)
+    s(x)
+    _Tables.W = torch.full((4,), 2.0)
+    with pytest.raises(shardspec.ShardingError, match=r"_Tables\.W was set to another tensor"):
+        s(x)
+
+    s = sharded(lambda x: _uses_default(x), **spec)
+    s(x)
+    _uses_default.__defaults__ = (torch.full((4,), 2.0),)
+    with pytest.raises(shardspec.ShardingError, match="_uses_default's default 0 was set"):
+        s(x)
+
+    class Holder:
+        def __init__(self) -> None:
+            self.w = torch.ones(4)
+            self.history = [self.w]
+
+        @sharded(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    global _HANDLE
+    h = Holder()
+    _HANDLE = h.w  # a handle under a name the step uses only as an attribute (self.w)
+    h.step(x)
+    h.history = []  # an attribute the step never names
+    _HANDLE = None
+    torch.testing.assert_close(h.step(x), x)
+
+    class Causal(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mask: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.mask is None:
+                self.mask = torch.ones(x.shape[-1])
+            return x * self.mask
+
+    m = Causal()
+    with pytest.raises(shardspec.ShardingError, match=r"stored one of its traced values in m\.mask"):
+        sharded(lambda x: m(x), **spec)(x)
