@@ -200,6 +200,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
             with_sources, tracing_mode="fake", decomposition_table=decomp, _allow_non_fake_inputs=True
         )(*inputs)
         _reject_constant_mutation(first)
+        _reject_sparse_constants(first)
         _lift_constants_written_with_inputs(first)
         _reject_scalar_extraction(first)
         if _already_functional(first):
@@ -280,6 +281,21 @@ def _reject_constant_mutation(module: torch.fx.GraphModule) -> None:
                 "be functional: the write would not reach the outside tensor.",
                 "pass that tensor in as an argument and return its new value, e.g. "
                 "`buf = buf + x` ... `return ..., buf`.",
+            )
+
+
+def _reject_sparse_constants(module: torch.fx.GraphModule) -> None:
+    """A sparse tensor the step closes over has no dense layout to split (arguments are checked
+    the same way in ``trace``)."""
+    for n in module.graph.nodes:
+        value = getattr(module, str(n.target), None) if n.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            used = next(iter(n.users), None)
+            raise fail(
+                f"the step closes over a {value.layout} tensor of shape {tuple(value.shape)} (used at "
+                f"{(source_of(used) if used is not None else None) or n.name}); a sharded step takes "
+                "dense (strided) tensors.",
+                "close over its .to_dense(), or keep the sparse computation outside the step.",
             )
 
 

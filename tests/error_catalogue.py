@@ -82,6 +82,7 @@ def _closure_write(x: torch.Tensor) -> torch.Tensor:
 
 
 _TABLE = {"scale": torch.ones(4)}
+_SPARSE = torch.eye(4).to_sparse()
 
 
 def _rebound_constant() -> Any:
@@ -365,6 +366,12 @@ CASES: tuple[Case, ...] = (
         "a closed-over tensor modified in place",
         lambda: _step(_closure_write, (P("dp"),), P("dp"))(torch.ones(4)),
         ("closes over", "_BUF.add_(x)", "argument"),
+    ),
+    Case(
+        "purity",
+        "a closed-over sparse tensor",
+        lambda: _step(lambda x: torch.sparse.mm(_SPARSE, x), (P("dp"),), P("dp"))(torch.ones(4, 2)),
+        ("closes over a torch.sparse_coo tensor of shape (4, 4)", ".to_dense()"),
     ),
     Case(
         "purity",
