@@ -50,6 +50,14 @@ class _Place:
             x = x[s[1]] if isinstance(s, tuple) else getattr(x, s)
         return x
 
+    def assign(self, value: Any) -> None:
+        parent = _Place(self.label, self.root, self.steps[:-1]).resolve()
+        last = self.steps[-1]
+        if isinstance(last, tuple):
+            parent[last[1]] = value
+        else:
+            setattr(parent, last, value)
+
     def __str__(self) -> str:
         return self.label + "".join(f"[{s[1]!r}]" if isinstance(s, tuple) else f".{s}" for s in self.steps)
 
@@ -60,9 +68,21 @@ class Snapshot:
     places: tuple[tuple[_Place, torch.Tensor], ...]
 
 
-def snapshot(constants: list[tuple[str, torch.Tensor]], fn: Any, owner: Any = None) -> Snapshot:
+def values(fn: Any, owner: Any = None) -> dict[str, Any]:
+    """What each place the step reaches holds now (taken before tracing, so a cache the trace
+    fills with a traced value can be put back)."""
+    return {str(place): x for place, x in _walk(_Code(fn, owner))}
+
+
+def snapshot(
+    constants: list[tuple[str, torch.Tensor]],
+    fn: Any,
+    owner: Any = None,
+    before: dict[str, Any] | None = None,
+) -> Snapshot:
     """Each constant with its version counter and storage now, and the places ``fn`` (or a method's
-    ``self``) reaches it from."""
+    ``self``) reaches it from. A place the trace left holding a traced value (a forward's cache,
+    ``self.mask = torch.tril(...)``) gets back what it held ``before``, or is an error."""
     tensors = []
     for what, t in constants:
         try:
@@ -73,6 +93,12 @@ def snapshot(constants: list[tuple[str, torch.Tensor]], fn: Any, owner: Any = No
     held = {id(t): t for _, t in constants}
     code = _Code(fn, owner)
     for place, x in _walk(code):
+        if isinstance(x, FakeTensor) and before is not None and str(place) in before:
+            try:
+                place.assign(before[str(place)])
+                continue
+            except (AttributeError, LookupError, TypeError, ValueError):
+                pass
         if isinstance(x, FakeTensor):
             raise fail(
                 f"tracing the step stored one of its traced values in {place} (e.g. a cache such as "
@@ -249,7 +275,7 @@ def _walk(code: _Code) -> Iterator[tuple[_Place, Any]]:
         for _ in range(_DEPTH + 1):
             nxt = []
             for x, steps in frontier:
-                if isinstance(x, torch.Tensor):
+                if isinstance(x, (torch.Tensor, type(None), bool, int, float, str)):  # leaves
                     yield _Place(label, root, steps), x
                     continue
                 if id(x) in visited or budget <= 0:

@@ -152,6 +152,7 @@ class ShardedFunction:
                 self._warn_recompiles(key, args)
             device = None if self.mesh.simulated else self.mesh.device_mesh.device_type
             globals_ = tuple(_global_view(a, device) for a in args)
+            before = constants.values(self.fn, self._owner)
             token = _TRACING.set(self.mesh)
             try:
                 program = compile_program(
@@ -170,7 +171,9 @@ class ShardedFunction:
             finally:
                 _TRACING.reset(token)
             # what it closes over, as compiled (lower() included); cached only once that is known
-            self._constants[id(program)] = constants.snapshot(_constants(program), self.fn, self._owner)
+            self._constants[id(program)] = constants.snapshot(
+                _constants(program), self.fn, self._owner, before
+            )
             self._cache[key] = program
         return self._cache[key], key
 

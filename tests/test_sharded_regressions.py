@@ -769,6 +769,16 @@ def test_constant_places_the_step_reaches_in_other_ways_and_places_it_does_not_r
                 self.mask = torch.ones(x.shape[-1])
             return x * self.mask
 
-    m = Causal()
-    with pytest.raises(shardspec.ShardingError, match=r"stored one of its traced values in m\.mask"):
-        sharded(lambda x: m(x), **spec)(x)
+    m = Causal()  # the trace's value in m.mask is put back to what it held before (None)
+    torch.testing.assert_close(sharded(lambda x: m(x), **spec)(x), x)
+    assert m.mask is None
+    torch.testing.assert_close(m(x), x)  # eager afterwards: real values
+
+    class Cache(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.cache = x * 2  # a new attribute: nothing to put back
+            return self.cache
+
+    c = Cache()
+    with pytest.raises(shardspec.ShardingError, match=r"stored one of its traced values in c\.cache"):
+        sharded(lambda x: c(x), **spec)(x)
