@@ -133,91 +133,175 @@ def check_unchanged(snap: Snapshot, name: Any) -> None:
             )
 
 
-def modules(fn: Any, owner: Any = None) -> tuple[torch.nn.Module, ...]:
-    """The ``nn.Module``s the step can reach (with all their submodules): their ``training`` flags
-    choose what is traced (dropout, batch norm's statistics), so they are part of the cache key and
-    ``model.eval()`` after compiling gets a program of its own instead of the train-mode one."""
+@dataclass(frozen=True)
+class Modules:
+    """The ``nn.Module``s the step can reach (with all their submodules), and where the outermost
+    were found: their ``training`` flags choose what is traced (dropout, batch norm's statistics),
+    so they are part of the cache key and ``model.eval()`` after compiling gets a program of its
+    own; ``model = build()`` binding another module there makes them be found again."""
+
+    all: tuple[torch.nn.Module, ...]
+    places: tuple[tuple[_Place, torch.nn.Module], ...]
+
+    def moved(self) -> bool:
+        for place, m in self.places:
+            try:
+                if place.resolve() is not m:
+                    return True
+            except Exception:
+                return True
+        return False
+
+
+def modules(fn: Any, owner: Any = None) -> Modules:
     found: dict[int, torch.nn.Module] = {}
-    code = _Code(fn, owner)
-    for _, x in _walk(code):
+    places = []
+    for place, x in _walk(_Code(fn, owner)):
         if isinstance(x, torch.nn.Module) and id(x) not in found:
+            places.append((place, x))
             for m in x.modules():
                 found.setdefault(id(m), m)
-    return tuple(found.values())
+    return Modules(tuple(found.values()), tuple(places))
 
 
 class _Code:
-    """The roots of a step, and the attribute names its code (and the code it reaches) uses."""
+    """The roots of a step, and the attribute names its code (and the code it reaches) uses.
+
+    Expanding a callable adds its roots and the attribute names its code uses, and queues what it
+    reaches; an object is expanded through the methods and attributes those names pick out, so
+    objects are expanded again whenever the set of names grows (``scaler.apply`` names ``table``)."""
 
     def __init__(self, fn: Any, owner: Any) -> None:
         self.roots: list[tuple[str, Callable[[], Any]]] = []
         self.attrs: set[str] = set()
-        self._seen: set[int] = set()
+        self._keys: set[tuple[Any, ...]] = set()  # roots already added
+        self._seen: dict[int, int] = {}  # object -> len(attrs) when it was last expanded
+        self._objects: dict[int, Any] = {}  # the objects (not functions) expanded, by id
         if owner is not None:
-            self.roots.append(("self", _fixed(owner)))
+            self._root(("self", id(owner)), "self", _fixed(owner))
+        if isinstance(fn, torch.nn.Module):  # sharded(model): the module is the step
+            self._root(("step", id(fn)), "the step module", _fixed(fn))
         todo = [fn]
-        while todo and len(self._seen) < 256:
+        rounds = 0
+        while todo and rounds < 4096:
+            rounds += 1
             todo += self._expand(todo.pop())
+            if not todo:  # names found later may pick more out of objects expanded earlier
+                todo = [x for i, x in self._objects.items() if self._seen[i] != len(self.attrs)]
+
+    def _root(self, key: tuple[Any, ...], label: str, getter: Callable[[], Any]) -> None:
+        if key not in self._keys:  # one walk per place, however many functions load it
+            self._keys.add(key)
+            self.roots.append((label, getter))
 
     def _expand(self, f: Any) -> list[Any]:
-        """Roots and attribute names of one callable; the callables it reaches, to expand next."""
-        if id(f) in self._seen:
+        """Roots and attribute names of one callable or object; what it reaches, to expand next."""
+        if self._seen.get(id(f)) == len(self.attrs) or isinstance(f, _ATOMS):
             return []
-        self._seen.add(id(f))
-        if isinstance(f, torch.nn.Module):  # its forwards (a torch container's user-defined parts)
-            return list({type(m).forward: None for m in f.modules() if not _skipped(type(m))})
-        if hasattr(f, "__wrapped__") and not isinstance(f, type):  # a decorated or nested sharded step
-            return [f.__wrapped__]
-        if _skipped(f):
+        self._seen[id(f)] = len(self.attrs)
+        if not isinstance(f, (types.FunctionType, types.CodeType)):
+            self._objects[id(f)] = f
+        try:
+            return self._reach(f)
+        except Exception:  # an object whose attribute lookups raise (a dict with __getattr__)
             return []
-        if isinstance(f, types.ModuleType):  # pkg.mod.fn(...): the functions the code names in it
+
+    def _reach(self, f: Any) -> list[Any]:
+        if isinstance(f, torch.nn.Module):  # its forwards and the attributes the code names
+            forwards = [type(m).forward for m in f.modules() if not _skipped(type(m))]
+            return list(dict.fromkeys(forwards)) + self._named(f)
+        if isinstance(f, types.ModuleType):  # pkg.mod.fn(...): what the code names in it
+            if _skipped(f):
+                return []
             names = sorted(a for a in self.attrs if not a.startswith("__") and hasattr(f, a))
-            self.roots += [(f"{f.__name__}.{a}", _attribute(f, a)) for a in names]
+            for a in names:
+                self._root(("attr", id(f), a), f"{f.__name__}.{a}", _attribute(f, a))
             return [getattr(f, a) for a in names]
         if isinstance(f, functools.partial):
             for i, a in enumerate(f.args):
-                self.roots.append((f"partial argument {i}", _fixed(a)))
+                self._root(("partial", id(f), i), f"partial argument {i}", _fixed(a))
             for k, a in f.keywords.items():
-                self.roots.append((f"partial argument {k}", _fixed(a)))
+                self._root(("partial", id(f), k), f"partial argument {k}", _fixed(a))
             return [f.func, *f.args, *f.keywords.values()]
         if isinstance(f, types.MethodType):
-            self.roots.append(("self", _fixed(f.__self__)))
+            self._root(("self", id(f.__self__)), "self", _fixed(f.__self__))
             return [f.__func__, f.__self__]
+        if isinstance(f, (classmethod, staticmethod)):
+            return [f.__func__]
+        if isinstance(f, dict):  # a dict or list of functions (a registry of lambdas)
+            return list(itertools.islice(f.values(), _ITEMS))
+        if isinstance(f, (list, tuple)):
+            return list(itertools.islice(f, _ITEMS))
+        if isinstance(f, property):
+            return [f.fget]
         code = getattr(f, "__code__", None)
+        wrapped = [f.__wrapped__] if hasattr(f, "__wrapped__") and not isinstance(f, type) else []
         if code is None:
-            defined = (c.__dict__["__call__"] for c in type(f).__mro__ if "__call__" in c.__dict__)
-            call = next(defined, None) if callable(f) else None
-            if isinstance(call, types.FunctionType) and not isinstance(f, type):
-                self.roots.append(("the step object", _fixed(f)))  # a callable object
-                return [call]
-            return []
+            if _skipped(f):
+                return wrapped
+            call = _lookup(type(f), "__call__") if callable(f) and not isinstance(f, type) else None
+            out = wrapped
+            if isinstance(call, types.FunctionType) and not _skipped(call):
+                self._root(("object", id(f)), "the step object", _fixed(f))  # a callable object
+                out = [*out, call]
+            return out + self._named(f)
+        if _skipped(f):
+            return wrapped  # a torch function; a sharded step's own function is its __wrapped__
         loads, attrs = _names(code)
         self.attrs |= attrs
         env: dict[str, Any] = getattr(f, "__globals__", {})
-        out = []
+        out = list(wrapped)
         for name in sorted(loads):
             if name not in env:
                 continue
             value = env[name]
-            self.roots.append((name, _global(env, name)))
+            self._root(("global", id(env), name), name, _global(env, name))
             out.append(value)
-            if isinstance(value, (types.ModuleType, type)) and not _skipped(value):
-                for a in sorted(attrs):  # module and class attributes the code names: tables.W
+            if isinstance(value, type) and not _skipped(value):
+                for a in sorted(attrs):  # class attributes the code names: Cfg.W
                     if not a.startswith("__") and hasattr(value, a):
-                        self.roots.append((f"{name}.{a}", _attribute(value, a)))
+                        self._root(("attr", id(value), a), f"{name}.{a}", _attribute(value, a))
                         out.append(getattr(value, a))
         for name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
-            self.roots.append((name, _cell(cell)))
+            self._root(("cell", id(cell)), name, _cell(cell))
             try:
                 out.append(cell.cell_contents)
             except ValueError:  # a cell not yet filled
                 continue
         named = getattr(f, "__name__", "the step")
         for i, _ in enumerate(getattr(f, "__defaults__", None) or ()):
-            self.roots.append((f"{named}'s default {i}", _default(f, "__defaults__", i)))
+            self._root(("default", id(f), i), f"{named}'s default {i}", _default(f, "__defaults__", i))
         for k in getattr(f, "__kwdefaults__", None) or {}:
-            self.roots.append((f"{named}'s default {k}", _default(f, "__kwdefaults__", k)))
+            self._root(("default", id(f), k), f"{named}'s default {k}", _default(f, "__kwdefaults__", k))
         return out
+
+    def _named(self, obj: Any) -> list[Any]:
+        """What the code's attribute names pick out of ``obj``: its methods (functions of its class,
+        classmethods, properties) and its own attributes, to expand in turn."""
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) or _skipped(obj):
+            return []
+        out: list[Any] = []
+        held = getattr(obj, "__dict__", None)
+        for a in sorted(self.attrs):
+            member = _lookup(type(obj), a)
+            if isinstance(member, (types.FunctionType, classmethod, staticmethod, property)):
+                out.append(member)
+            if isinstance(held, dict) and a in held:
+                out.append(held[a])
+            elif member is not None and not callable(member) and not isinstance(member, property):
+                out.append(member)  # a class attribute read through an instance: cfg.table
+        return out
+
+
+_ATOMS = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+
+def _lookup(cls: type, name: str) -> Any:
+    """``name`` as defined on ``cls`` or a base, without running descriptors."""
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            return c.__dict__[name]
+    return None
 
 
 def _fixed(x: Any) -> Callable[[], Any]:
@@ -249,6 +333,8 @@ def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
             loads.add(ins.argval)
         elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR") and isinstance(ins.argval, str):
             attrs.add(ins.argval)
+        elif ins.opname == "LOAD_CONST" and isinstance(ins.argval, str) and ins.argval.isidentifier():
+            attrs.add(ins.argval)  # getattr(box, "w"), setattr(obj, "cache", ...)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):  # nested functions and comprehensions
             inner = _names(c)
@@ -316,6 +402,10 @@ def _children(x: Any, attrs: set[str]) -> list[tuple[Any, Any]]:
         return [(("item", k), v) for k, v in items if isinstance(k, _KEYS)]
     if isinstance(x, (list, tuple)):
         return [(("item", i), v) for i, v in enumerate(itertools.islice(x, _ITEMS))]
+    if isinstance(x, type) and not _skipped(x):  # a class: the attributes the code names (cls.W)
+        return [
+            (k, v) for k, v in vars(x).items() if k in attrs and isinstance(v, (torch.Tensor, dict, list))
+        ]
     if isinstance(x, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)) or _skipped(x):
         return []
     return _attributes(x, attrs)
@@ -332,4 +422,11 @@ def _attributes(x: Any, attrs: set[str]) -> list[tuple[Any, Any]]:
         for k in getattr(cls, "__slots__", ()) if isinstance(getattr(cls, "__slots__", ()), tuple) else ():
             if k in attrs and hasattr(x, k):
                 out.append((k, getattr(x, k)))
+        if not _skipped(cls):  # a class attribute read through the instance: cfg.table
+            own = {k for k, _ in out}
+            out += [
+                (k, v)
+                for k, v in vars(cls).items()
+                if k in attrs and k not in own and isinstance(v, torch.Tensor)
+            ]
     return out

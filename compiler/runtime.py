@@ -98,7 +98,7 @@ class ShardedFunction:
         self._cache: dict[Any, Program] = {}
         self._constants: dict[int, constants.Snapshot] = {}  # per program: its closed-over tensors
         self._owner: Any = None  # a method's self
-        self._modules: tuple[Any, ...] | None = None  # nn.Modules it reaches: train/eval is in the key
+        self._modules: constants.Modules | None = None  # nn.Modules it reaches: train/eval in the key
         self._plans: dict[int, _RealPlan] = {}  # per program: per-call metadata and its digest
         self._values_checked: set[tuple[int, tuple[bool, ...]]] = set()
         self._small: dict[tuple[int, tuple[bool, ...]], tuple[int, ...]] = {}  # per program and call kind
@@ -144,9 +144,9 @@ class ShardedFunction:
     def _program(self, args: tuple[Any, ...]) -> tuple[Program, tuple[Any, ...]]:
         if self.mesh.simulated:
             inputs.check_not_dtensor(self.fn, args, self.mesh)
-        if self._modules is None:  # found once: walking every call would cost more than the key
+        if self._modules is None or self._modules.moved():  # walked again only when a place moved
             self._modules = constants.modules(self.fn, self._owner)
-        key = (*inputs.signature(self.fn, args), tuple(m.training for m in self._modules))
+        key = (*inputs.signature(self.fn, args), tuple(m.training for m in self._modules.all))
         if key not in self._cache:
             if len(self._cache) == RECOMPILE_WARNING - 1:
                 self._warn_recompiles(key, args)

@@ -267,17 +267,12 @@ def _reject_constant_mutation(module: torch.fx.GraphModule) -> None:
     """A tensor the step closes over is a graph constant; writing to it would be lost (or crash)."""
     for n in module.graph.nodes:
         schema = getattr(n.target, "_schema", None)
-        if (
-            n.op == "call_function"
-            and schema is not None
-            and schema.is_mutable
-            and n.args
-            and isinstance(n.args[0], torch.fx.Node)
-            and n.args[0].op == "get_attr"
-        ):
+        written = [n.args[0] if n.args else None, n.kwargs.get("out")]  # in place, or out=
+        const = next((w for w in written if isinstance(w, torch.fx.Node) and w.op == "get_attr"), None)
+        if n.op == "call_function" and schema is not None and schema.is_mutable and const is not None:
             raise fail(
                 f"{n.target} at {source_of(n) or n.name} modifies in place a tensor the step closes over "
-                f"(shape {tuple(n.args[0].meta['val'].shape)}). A sharded step is compiled once and must "
+                f"(shape {tuple(const.meta['val'].shape)}). A sharded step is compiled once and must "
                 "be functional: the write would not reach the outside tensor.",
                 "pass that tensor in as an argument and return its new value, e.g. "
                 "`buf = buf + x` ... `return ..., buf`.",

@@ -782,3 +782,114 @@ def test_constant_places_the_step_reaches_in_other_ways_and_places_it_does_not_r
     c = Cache()
     with pytest.raises(shardspec.ShardingError, match=r"stored one of its traced values in c\.cache"):
         sharded(lambda x: c(x), **spec)(x)
+
+
+_S = torch.full((4,), 2.0)
+_REGISTRY = {"scale": lambda x: x * _S}
+
+
+class _Scaler:
+    table = torch.full((4,), 2.0)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> torch.Tensor:
+        return x * cls.table
+
+
+class _AttrDict(dict):  # type: ignore[type-arg]
+    __getattr__ = dict.__getitem__
+
+
+def test_constants_reached_through_objects_methods_decorators_and_registries() -> None:
+    """A second review's misses: an object's methods (scaler.apply reading self.table), a class
+    attribute read through an instance or a classmethod, a functools.wraps decorator's own globals,
+    a dict of lambdas, getattr with a string, an nn.Module as the step, a model a method reaches
+    (Trainer: eval ignored), a model rebound to a new module; out= into a constant was an internal
+    assert; a dict-with-attributes config crashed the walk."""
+    import functools
+
+    global _S
+    mesh = Mesh({"dp": 2}, simulate=True)
+    x = torch.ones(4)
+    spec = dict(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+    scaler = _Scaler()
+
+    def refused(step: Any, change: Any, match: str) -> None:
+        step(x)
+        change()
+        with pytest.raises(shardspec.ShardingError, match=match):
+            step(x)
+
+    refused(
+        sharded(lambda x: scaler.apply(x), **spec), lambda: setattr(scaler, "table", x * 5), "scaler.table"
+    )
+    scaler = _Scaler()
+    refused(
+        sharded(lambda x: scaler.apply(x), **spec), lambda: setattr(_Scaler, "table", x * 5), "scaler.table"
+    )
+    refused(
+        sharded(lambda x: _Scaler.of(x), **spec), lambda: setattr(_Scaler, "table", x * 3), "_Scaler.table"
+    )
+    box = _Scaler()
+    box.w = torch.ones(4)  # type: ignore[attr-defined]
+    name = "w"  # a string the code holds: getattr(box, "w")
+    refused(sharded(lambda x: x * getattr(box, "w"), **spec), lambda: setattr(box, name, x * 2), "box.w")  # noqa: B009
+
+    def rebind_s() -> None:
+        global _S
+        _S = x * 7
+
+    refused(sharded(lambda x: _REGISTRY["scale"](x), **spec), rebind_s, "_S was set")
+
+    def scaled(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(x: torch.Tensor) -> torch.Tensor:
+            return fn(x) * _S
+
+        return wrapper
+
+    refused(sharded(scaled(lambda x: x + 1), **spec), rebind_s, "_S was set")
+
+    xs = torch.ones(4, 4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    s = sharded(model, **spec)
+    s(xs)
+    model.eval()
+    torch.testing.assert_close(s(xs), model(xs))
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+
+        @sharded(mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            return self.forward(x)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+    t = Trainer()
+    t.step(xs)
+    t.model.eval()
+    torch.testing.assert_close(t.step(xs), t.model(xs))
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    f = sharded(
+        lambda p, x: torch.func.functional_call(net, p, (x,)),
+        mesh=mesh,
+        in_specs=({k: P() for k in params}, P("dp")),
+        out_specs=P("dp"),
+    )
+    f(params, xs)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()  # rebound
+    torch.testing.assert_close(f(params, xs), torch.func.functional_call(net, params, (xs,)))
+
+    sink = torch.zeros(4)
+    with pytest.raises(shardspec.ShardingError, match="modifies in place a tensor the step closes over"):
+        sharded(lambda x: torch.mul(x, 2, out=sink), **spec)(x)
+    cfg = _AttrDict(scale=2.0)
+    torch.testing.assert_close(sharded(lambda x: x * cfg.scale, **spec)(x), x * 2)
