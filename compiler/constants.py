@@ -24,17 +24,17 @@ class Snapshot:
     places: tuple[tuple[Place, torch.Tensor], ...]
 
 
-def values(fn: Any, owner: Any = None) -> dict[str, Any]:
+def values(fn: Any, owner: Any = None) -> dict[tuple[Any, ...], Any]:
     """What each place the step reaches holds now (taken before tracing, so a cache the trace
     fills with a traced value can be put back)."""
-    return {str(place): x for place, x in walk(Code(fn, owner))}
+    return {place.key: x for place, x in walk(Code(fn, owner))}
 
 
 def snapshot(
     constants: list[tuple[str, torch.Tensor]],
     fn: Any,
     owner: Any = None,
-    before: dict[str, Any] | None = None,
+    before: dict[tuple[Any, ...], Any] | None = None,
 ) -> Snapshot:
     """Each constant with its version counter and storage now, and the places ``fn`` (or a method's
     ``self``) reaches it from. A place the trace left holding a traced value (a forward's cache,
@@ -49,12 +49,8 @@ def snapshot(
     held = {id(t): t for _, t in constants}
     code = Code(fn, owner)
     for place, x in walk(code):
-        if isinstance(x, FakeTensor) and before is not None and str(place) in before:
-            try:
-                place.assign(before[str(place)])
-                continue
-            except (AttributeError, LookupError, TypeError, ValueError):
-                pass
+        if isinstance(x, FakeTensor) and before is not None and _put_back(place, before):
+            continue
         if isinstance(x, FakeTensor):
             raise fail(
                 f"tracing the step stored one of its traced values in {place} (e.g. a cache such as "
@@ -64,6 +60,24 @@ def snapshot(
                 "(in __init__), or compute them inside the step without storing them.",
             )
     return Snapshot(tuple(tensors), tuple(places(held, code)) if held else ())
+
+
+def _put_back(place: Place, before: dict[tuple[Any, ...], Any]) -> bool:
+    """Give ``place`` (or, inside a tuple, the nearest place that can be set) what it held before
+    tracing, or remove it where the trace added it (a new dict entry or attribute); False where
+    neither can be done."""
+    while place.steps:
+        try:
+            if place.key in before and not isinstance(before[place.key], FakeTensor):
+                place.assign(before[place.key])
+                return True
+            if place.key not in before and place.parent().key in before:
+                place.remove()
+                return True
+        except (AttributeError, LookupError, TypeError, ValueError):
+            pass
+        place = place.parent()
+    return False
 
 
 def check_unchanged(snap: Snapshot, name: Any) -> None:

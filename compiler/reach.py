@@ -36,6 +36,14 @@ class Place:
     label: str
     root: Callable[[], Any]
     steps: tuple[Any, ...]
+    origin: int = 0  # id of the root's object when walked: two roots both labelled "self" differ
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.origin, self.label, self.steps)
+
+    def parent(self) -> Place:
+        return Place(self.label, self.root, self.steps[:-1], self.origin)
 
     def resolve(self) -> Any:
         x = self.root()
@@ -44,12 +52,20 @@ class Place:
         return x
 
     def assign(self, value: Any) -> None:
-        parent = Place(self.label, self.root, self.steps[:-1]).resolve()
+        parent = self.parent().resolve()
         last = self.steps[-1]
         if isinstance(last, tuple):
             parent[last[1]] = value
         else:
             setattr(parent, last, value)
+
+    def remove(self) -> None:
+        parent = self.parent().resolve()
+        last = self.steps[-1]
+        if isinstance(last, tuple):
+            del parent[last[1]]
+        else:
+            delattr(parent, last)
 
     def __str__(self) -> str:
         return self.label + "".join(f"[{s[1]!r}]" if isinstance(s, tuple) else f".{s}" for s in self.steps)
@@ -65,8 +81,10 @@ class Code:
     def __init__(self, fn: Any, owner: Any) -> None:
         self.roots: list[tuple[str, Callable[[], Any]]] = []
         self.attrs: set[str] = set()
+        self._order: list[str] = []  # attrs in the order found: an object expanded again sees only new ones
+        self._new: list[str] = []  # the names the current expansion looks at
         self._keys: set[tuple[Any, ...]] = set()  # roots already added
-        self._seen: dict[int, int] = {}  # object -> len(attrs) when it was last expanded
+        self._seen: dict[int, int] = {}  # object -> how many names there were when last expanded
         self._objects: dict[int, Any] = {}  # the objects (not functions) expanded, by id
         if owner is not None:
             self._root(("self", id(owner)), "self", _fixed(owner))
@@ -74,11 +92,20 @@ class Code:
             self._root(("step", id(fn)), "the step module", _fixed(fn))
         todo = [fn]
         rounds = 0
-        while todo and rounds < 4096:
+        while todo and rounds < _ROUNDS:
             rounds += 1
             todo += self._expand(todo.pop())
             if not todo:  # names found later may pick more out of objects expanded earlier
-                todo = [x for i, x in self._objects.items() if self._seen[i] != len(self.attrs)]
+                todo = [x for i, x in self._objects.items() if self._seen[i] != len(self._order)]
+        if todo:
+            import warnings
+
+            warnings.warn(
+                f"shardspec: the step reaches over {_ROUNDS} functions and objects; the search for "
+                "the tensors it closes over stopped there, so a later change to some of them may not "
+                "be detected. Pass tensors that change as arguments.",
+                stacklevel=2,
+            )
 
     def _root(self, key: tuple[Any, ...], label: str, getter: Callable[[], Any]) -> None:
         if key not in self._keys:  # one walk per place, however many functions load it
@@ -87,14 +114,15 @@ class Code:
 
     def _expand(self, f: Any) -> list[Any]:
         """Roots and attribute names of one callable or object; what it reaches, to expand next."""
-        if self._seen.get(id(f)) == len(self.attrs) or isinstance(f, _ATOMS):
-            return []
-        self._seen[id(f)] = len(self.attrs)
-        if not isinstance(f, (types.FunctionType, types.CodeType)):
-            self._objects[id(f)] = f
         try:
+            if self._seen.get(id(f)) == len(self._order) or isinstance(f, _ATOMS):
+                return []
+            self._new = self._order[self._seen.get(id(f), 0) :]  # the names this expansion adds
+            self._seen[id(f)] = len(self._order)
+            if not isinstance(f, (types.FunctionType, types.CodeType)):
+                self._objects[id(f)] = f
             return self._reach(f)
-        except Exception:  # an object whose attribute lookups raise (a dict with __getattr__)
+        except Exception:  # an object whose lookups raise (a dead weakref.proxy, a dict's __getattr__)
             return []
 
     def _reach(self, f: Any) -> list[Any]:
@@ -104,7 +132,7 @@ class Code:
         if isinstance(f, types.ModuleType):  # pkg.mod.fn(...): what the code names in it
             if _skipped(f):
                 return []
-            names = sorted(a for a in self.attrs if not a.startswith("__") and hasattr(f, a))
+            names = sorted(a for a in self._new if not a.startswith("__") and a in vars(f))
             for a in names:
                 self._root(("attr", id(f), a), f"{f.__name__}.{a}", _attribute(f, a))
             return [getattr(f, a) for a in names]
@@ -125,8 +153,9 @@ class Code:
             return list(itertools.islice(f, _ITEMS))
         if isinstance(f, property):
             return [f.fget]
-        code = getattr(f, "__code__", None)
-        wrapped = [f.__wrapped__] if hasattr(f, "__wrapped__") and not isinstance(f, type) else []
+        code = f.__code__ if isinstance(f, types.FunctionType) else None  # no user __getattr__ runs
+        own = getattr(f, "__dict__", None) if not isinstance(f, type) else None
+        wrapped = [own["__wrapped__"]] if isinstance(own, dict) and "__wrapped__" in own else []
         if code is None:
             if _skipped(f):
                 return wrapped
@@ -139,6 +168,7 @@ class Code:
         if _skipped(f):
             return wrapped  # a torch function; a sharded step's own function is its __wrapped__
         loads, attrs = _names(code)
+        self._order += sorted(attrs - self.attrs)
         self.attrs |= attrs
         env: dict[str, Any] = getattr(f, "__globals__", {})
         out = list(wrapped)
@@ -160,10 +190,12 @@ class Code:
             except ValueError:  # a cell not yet filled
                 continue
         named = getattr(f, "__name__", "the step")
-        for i, _ in enumerate(getattr(f, "__defaults__", None) or ()):
+        for i, d in enumerate(f.__defaults__ or ()):
             self._root(("default", id(f), i), f"{named}'s default {i}", _default(f, "__defaults__", i))
-        for k in getattr(f, "__kwdefaults__", None) or {}:
+            out.append(d)
+        for k, d in (f.__kwdefaults__ or {}).items():
             self._root(("default", id(f), k), f"{named}'s default {k}", _default(f, "__kwdefaults__", k))
+            out.append(d)
         return out
 
     def _named(self, obj: Any) -> list[Any]:
@@ -173,18 +205,24 @@ class Code:
             return []
         out: list[Any] = []
         held = getattr(obj, "__dict__", None)
-        for a in sorted(self.attrs):
+        for a in self._new:
             member = _lookup(type(obj), a)
             if isinstance(member, (types.FunctionType, classmethod, staticmethod, property)):
                 out.append(member)
             if isinstance(held, dict) and a in held:
                 out.append(held[a])
+            elif isinstance(member, types.MemberDescriptorType):  # a __slots__ attribute
+                try:
+                    out.append(member.__get__(obj, type(obj)))
+                except AttributeError:  # an unset slot
+                    continue
             elif member is not None and not callable(member) and not isinstance(member, property):
                 out.append(member)  # a class attribute read through an instance: cfg.table
         return out
 
 
 _ATOMS = (type(None), bool, int, float, str, bytes, torch.Tensor)
+_ROUNDS = 200_000  # expansions at most (each looks only at names new to its object)
 
 
 def _lookup(cls: type, name: str) -> Any:
@@ -244,27 +282,36 @@ def walk(code: Code) -> Iterator[tuple[Place, Any]]:
     found), a few levels deep and within a budget per root."""
     for label, root in code.roots:
         try:
-            frontier: list[tuple[Any, tuple[Any, ...]]] = [(root(), ())]
-        except (ValueError, AttributeError):
+            start = root()
+        except Exception:  # an emptied cell, a removed attribute, a dead proxy
             continue
+        origin = id(start)
+        frontier: list[tuple[Any, tuple[Any, ...]]] = [(start, ())]
         visited: set[int] = set()
         budget = _BUDGET
         for _ in range(_DEPTH + 1):
             nxt = []
             for x, steps in frontier:
-                if isinstance(x, (torch.Tensor, type(None), bool, int, float, str)):  # leaves
-                    yield Place(label, root, steps), x
+                try:
+                    leaf = isinstance(x, (torch.Tensor, type(None), bool, int, float, str))
+                except ReferenceError:  # a dead weakref.proxy
+                    continue
+                if leaf:
+                    yield Place(label, root, steps, origin), x
                     continue
                 if id(x) in visited or budget <= 0:
                     continue
                 visited.add(id(x))
                 budget -= 1
-                yield Place(label, root, steps), x
+                yield Place(label, root, steps, origin), x
                 if isinstance(x, torch.nn.Module):  # parameters and buffers at any depth
                     named = itertools.chain(x.named_parameters(), x.named_buffers())
                     for dotted, t in itertools.islice(named, 100_000):
-                        yield Place(label, root, (*steps, *dotted.split("."))), t
-                nxt += [(child, (*steps, s)) for s, child in _children(x, code.attrs)]
+                        yield Place(label, root, (*steps, *dotted.split(".")), origin), t
+                try:
+                    nxt += [(child, (*steps, s)) for s, child in _children(x, code.attrs)]
+                except Exception:  # an object whose attribute lookups raise
+                    continue
             frontier = nxt
 
 
@@ -272,12 +319,12 @@ def places(held: dict[int, torch.Tensor], code: Code) -> list[Any]:
     """The places holding each constant (at most a few per tensor)."""
     found: dict[int, int] = {}
     out: list[tuple[Place, torch.Tensor]] = []
-    seen: set[str] = set()
+    seen: set[tuple[Any, ...]] = set()
     for place, x in walk(code):
         if isinstance(x, torch.Tensor) and id(x) in held and found.get(id(x), 0) < _PER_TENSOR:
-            if str(place) in seen:
+            if place.key in seen:
                 continue
-            seen.add(str(place))
+            seen.add(place.key)
             found[id(x)] = found.get(id(x), 0) + 1
             out.append((place, x))
     return out

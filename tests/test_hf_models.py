@@ -69,3 +69,49 @@ def test_padded_batch_under_value_and_grad_matches_unsharded(make: Any) -> None:
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     for k in params:
         torch.testing.assert_close(got_grads[k], grads[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+_POST_SCALE = torch.tensor(1.0)
+_POST_DROP = torch.nn.Dropout(0.5)
+
+
+class _Scaler:
+    def go(self, loss: torch.Tensor) -> torch.Tensor:
+        return _POST_DROP(loss.expand(64)) * _POST_SCALE
+
+
+class _Head:
+    def __init__(self) -> None:
+        self.c0 = _Scaler()
+
+    def run(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.c0.go(loss)
+
+
+def test_the_closed_over_search_reaches_past_an_hf_model() -> None:
+    """With an HF model in the step the search for closed-over tensors stopped after 4,096
+    expansions (transformers' modules expanded again for every new name), so a helper reached
+    after it was not checked: a rebound global gave the old value and .eval() kept dropout."""
+    global _POST_SCALE
+    model = _gpt2().eval()  # its own dropout off: the helper's dropout is the one switched
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    tok = torch.randint(0, 64, (4, 8))
+    head = _Head()
+
+    def post(loss: torch.Tensor) -> torch.Tensor:
+        return head.run(loss)
+
+    def step(p: Any, tok: torch.Tensor) -> torch.Tensor:
+        return post(torch.func.functional_call(model, p, (tok,), {"labels": tok}).loss)
+
+    f = sharded(
+        step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=({k: P() for k in params}, P("dp")), out_specs=P()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(params, tok)
+        _POST_DROP.eval()
+        torch.testing.assert_close(f(params, tok), step(params, tok))  # eval: no dropout
+        _POST_SCALE = torch.tensor(100.0)
+        with pytest.raises(shardspec.ShardingError, match="_POST_SCALE was set"):
+            f(params, tok)
