@@ -273,8 +273,25 @@ def _names(code: types.CodeType) -> tuple[set[str], set[str]]:
 
 
 def _skipped(x: Any) -> bool:
-    module = (x.__name__ if isinstance(x, types.ModuleType) else getattr(x, "__module__", None)) or ""
-    return isinstance(module, str) and module.split(".")[0] in _SKIPPED
+    """Code of torch, this package or an installed library (site-packages): not searched. A
+    library's globals rarely hold a step's tensors, and following them (transformers' modules
+    reach most of transformers) cost seconds per compile; a model's parameters and buffers are
+    still found through the model object itself."""
+    try:
+        module = (x.__name__ if isinstance(x, types.ModuleType) else getattr(x, "__module__", None)) or ""
+    except Exception:  # a __getattr__ that raises something else
+        return True
+    return isinstance(module, str) and _library(module.split(".")[0])
+
+
+@functools.cache
+def _library(top: str) -> bool:
+    if top in _SKIPPED:
+        return True
+    import sys
+
+    file = getattr(sys.modules.get(top), "__file__", None) or ""
+    return "site-packages" in file or "dist-packages" in file
 
 
 def walk(code: Code) -> Iterator[tuple[Place, Any]]:
