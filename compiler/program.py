@@ -200,19 +200,22 @@ def compile_program(
         check_pipeline_layouts(pipeline, traced.module.graph, prop.value)
     first, inserted = partition(traced.module, prop, mesh, 0, list(traced.in_paths))
     programs = [first]
-    if not _even(prop, mesh, traced.module.graph):
+    even = _even(prop, mesh, traced.module.graph)
+    if not even:
         programs += [
             partition(traced.module, prop, mesh, r, list(traced.in_paths))[0] for r in range(1, mesh.size)
         ]
     else:
         programs *= mesh.size
-    local_inputs = [
-        [
+
+    def local(r: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [
             (local_shape(t.shape, mesh, s, r), t.dtype)
             for t, s in zip(traced.inputs, tensor_specs, strict=True)
         ]
-        for r in range(mesh.size)
-    ]
+
+    # even: every rank's blocks have rank 0's shapes, so one list serves all (not mesh-size work)
+    local_inputs = [local(0)] * mesh.size if even else [local(r) for r in range(mesh.size)]
     backward = frozenset(
         n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
     )  # regather tells forward from backward uses by these
