@@ -138,7 +138,7 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
         return list(out_leaves)
 
     try:
-        module = _functional_graph(flat_fn, distinct)
+        module = _functional_graph(flat_fn, distinct, fn)
     except ShardingError:
         raise
     except Exception as exc:
@@ -180,7 +180,9 @@ def _tracing_flag() -> Iterator[None]:
         tc._is_compiling_flag = old
 
 
-def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+def _functional_graph(
+    flat_fn: Callable[..., Any], inputs: list[torch.Tensor], fn: Any = None
+) -> torch.fx.GraphModule:
     """Trace with user source lines, then functionalize the traced graph.
 
     Two passes because autograd.Function (used by ``constrain``) cannot run under functionalize
@@ -199,7 +201,7 @@ def _functional_graph(flat_fn: Callable[..., Any], inputs: list[torch.Tensor]) -
         first = make_fx(
             with_sources, tracing_mode="fake", decomposition_table=decomp, _allow_non_fake_inputs=True
         )(*inputs)
-        checks.reject_constant_mutation(first)
+        checks.reject_constant_mutation(first, fn)
         checks.reject_sparse_constants(first)
         checks.lift_constants_written_with_inputs(first)
         checks.reject_scalar_extraction(first)

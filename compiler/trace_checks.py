@@ -19,20 +19,43 @@ from shardspec.errors import fail
 aten = torch.ops.aten
 
 
-def reject_constant_mutation(module: torch.fx.GraphModule) -> None:
+def reject_constant_mutation(module: torch.fx.GraphModule, fn: Any = None) -> None:
     """A tensor the step closes over is a graph constant; writing to it would be lost (or crash)."""
     for n in module.graph.nodes:
         schema = getattr(n.target, "_schema", None)
         written = [n.args[0] if n.args else None, n.kwargs.get("out")]  # in place, or out=
         const = next((w for w in written if isinstance(w, torch.fx.Node) and w.op == "get_attr"), None)
         if n.op == "call_function" and schema is not None and schema.is_mutable and const is not None:
+            held = _held_at(fn, getattr(module, str(const.target), None))
+            buffer = any(isinstance(p.parent().resolve(), torch.nn.Module) for p in held)
             raise fail(
                 f"{n.target} at {source_of(n) or n.name} modifies in place a tensor the step closes over "
-                f"(shape {tuple(const.meta['val'].shape)}). A sharded step is compiled once and must "
-                "be functional: the write would not reach the outside tensor.",
+                f"({', '.join(map(str, held[:3])) + ', ' if held else ''}shape "
+                f"{tuple(const.meta['val'].shape)}). A sharded step is compiled once and must be "
+                "functional: the write would not reach the outside tensor.",
                 "pass that tensor in as an argument and return its new value, e.g. "
-                "`buf = buf + x` ... `return ..., buf`.",
+                "`buf = buf + x` ... `return ..., buf`"
+                + (
+                    "; for a module's buffers (batch norm's running statistics), pass them with "
+                    "torch.func.functional_call(model, (params, buffers), ...) and return the "
+                    "updated copies, or call model.eval()."
+                    if buffer
+                    else "."
+                ),
             )
+
+
+def _held_at(fn: Any, tensor: Any) -> list[Any]:
+    """The places the step reads ``tensor`` from (``model.bn.running_mean``), to name it in an error;
+    none when they cannot be found."""
+    if fn is None or not isinstance(tensor, torch.Tensor):
+        return []
+    from compiler.reach import Code, places
+
+    try:
+        return [p for p, _ in places({id(tensor): tensor}, Code(fn, getattr(fn, "__self__", None)))]
+    except Exception:  # naming is best effort: the error below stands without it
+        return []
 
 
 def reject_sparse_constants(module: torch.fx.GraphModule) -> None:

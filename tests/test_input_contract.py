@@ -77,9 +77,20 @@ def test_in_place_update_of_a_closed_over_tensor_is_a_clear_error():
 
     step = sharded(f, mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
     with pytest.raises(
-        ShardingError, match=r"modifies in place a tensor the step closes over \(shape \(4,\)\)"
+        ShardingError, match=r"modifies in place a tensor the step closes over \(buf, shape \(4,\)\)"
     ):
         step(torch.ones(4))
+
+
+def test_a_module_buffer_updated_in_place_is_named_with_the_functional_call_fix():
+    """Batch norm in train mode updates its running statistics in place: the error names the
+    buffer and the way to train it (buffers in and out through functional_call, or eval())."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    step = sharded(lambda x: model(x), mesh=MESH, in_specs=(P("dp"),), out_specs=P("dp"))
+    with pytest.raises(
+        ShardingError, match=r"(?s)model\.1\.(running_mean|num_batches_tracked).*functional_call"
+    ):
+        step(torch.randn(8, 4))
 
 
 def test_nested_step_is_inlined_with_its_specs_as_constraints():
