@@ -105,7 +105,36 @@ def _layer_norm_backward(
     return grad_input, grad_weight, grad_bias
 
 
+def _batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> Any:
+    """native_batch_norm in training writes its running statistics in place, though its schema does
+    not say so: functionalization and the in-place checks would not see the write, and a rank
+    holding a block of the statistics would write a copy that is thrown away. Traced as the fused
+    kernel without running statistics (pure, with a rule) and their update as ops written back with
+    ``copy_``, which functionalization turns into results (and the checks see)."""
+    if not training or (running_mean is None and running_var is None):
+        return NotImplemented  # traced as the fused op itself: it writes nothing
+    out, mean, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, momentum, eps)
+    if running_mean is not None:
+        new = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
+        running_mean.copy_(new)
+    if running_var is not None:  # eager updates it with the unbiased variance of the batch
+        dims = [0, *range(2, x.dim())]
+        var = torch.var(x, dims, correction=1).to(running_var.dtype)
+        running_var.copy_(running_var * (1 - momentum) + var * momentum)
+    return out, mean, invstd
+
+
 _EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.native_batch_norm.default: _batch_norm,
     aten.mean.dim: _mean,
     aten.mean.default: lambda x, *, dtype=None: _mean(x, dtype=dtype),
     aten.addmm.default: _addmm,

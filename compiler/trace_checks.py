@@ -23,9 +23,10 @@ def reject_constant_mutation(module: torch.fx.GraphModule, fn: Any = None) -> No
     """A tensor the step closes over is a graph constant; writing to it would be lost (or crash)."""
     for n in module.graph.nodes:
         schema = getattr(n.target, "_schema", None)
-        written = [n.args[0] if n.args else None, n.kwargs.get("out")]  # in place, or out=
-        const = next((w for w in written if isinstance(w, torch.fx.Node) and w.op == "get_attr"), None)
-        if n.op == "call_function" and schema is not None and schema.is_mutable and const is not None:
+        if n.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        const = next((w for w in _writes(n, schema) if w.op == "get_attr"), None)
+        if const is not None:
             held = _held_at(fn, getattr(module, str(const.target), None))
             buffer = any(isinstance(p.parent().resolve(), torch.nn.Module) for p in held)
             raise fail(
@@ -43,6 +44,18 @@ def reject_constant_mutation(module: torch.fx.GraphModule, fn: Any = None) -> No
                     else "."
                 ),
             )
+
+
+def _writes(n: torch.fx.Node, schema: Any) -> list[torch.fx.Node]:
+    """The operands an op writes, by its schema: ``self`` of an in-place op, ``out=`` (or each of
+    a multi-output op's named outs, ``values=``/``indices=``)."""
+    found = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+        found += [x for x in (v if isinstance(v, (tuple, list)) else [v]) if isinstance(x, torch.fx.Node)]
+    return found
 
 
 def _held_at(fn: Any, tensor: Any) -> list[Any]:
@@ -174,29 +187,44 @@ class _FindMutation(TorchFunctionMode):
     def __init__(self, targets: dict[int, str]) -> None:
         super().__init__()
         self.targets = targets
-        self.found: tuple[str, str] | None = None
+        self.found: tuple[str, str, str] | None = None  # argument path, user's line, op
         self.keep: list[torch.Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        written = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if written is not None and id(written) not in self.targets and written._is_view():
-            written = written._base  # a write through a view (x[0].add_(1)) writes the argument
-        if (
-            self.found is None
-            and written is not None
-            and id(written) in self.targets
-            and (
-                (name.endswith("_") and not name.endswith("__"))
-                or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
-            )
-        ):
-            self.found = (self.targets[id(written)], user_frame(None))
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if self.found is None:
+            for w in _written(func, name, args, kwargs or {}):
+                # a write through a view (x[0].add_(1)) writes the argument
+                t = w._base if id(w) not in self.targets and w._is_view() else w
+                if t is not None and id(t) in self.targets:
+                    self.found = (self.targets[id(t)], user_frame(None), name)
+                    break
         out = func(*args, **(kwargs or {}))
-        if name in ("detach", "alias") and written is not None and id(written) in self.targets:
-            self.targets[id(out)] = self.targets[id(written)]  # the same storage, not a view
+        if name in ("detach", "alias") and first is not None and id(first) in self.targets:
+            self.targets[id(out)] = self.targets[id(first)]  # the same storage, not a view
             self.keep.append(out)  # (its id stays its own while the step runs)
         return out
+
+
+_IN_PLACE_DUNDERS = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+_RUNNING_STATS = ((1, "running_mean"), (2, "running_var"))  # F.batch_norm's and F.instance_norm's
+
+
+def _written(func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a torch function call writes: an in-place op's first argument, ``out=``, and
+    batch norm's running statistics in training (written although they are inputs)."""
+    found: list[Any] = []
+    if args and ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS):
+        found.append(args[0])
+    out = kwargs.get("out")
+    found += list(out) if isinstance(out, (tuple, list)) else [out]
+    if func is torch.nn.functional.batch_norm or func is torch.nn.functional.instance_norm:
+        flag = "training" if func is torch.nn.functional.batch_norm else "use_input_stats"
+        on = args[5] if len(args) > 5 else kwargs.get(flag, func is torch.nn.functional.instance_norm)
+        if on:
+            found += [args[i] if len(args) > i else kwargs.get(k) for i, k in _RUNNING_STATS]
+    return [t for t in found if isinstance(t, torch.Tensor)]
 
 
 def reject_argument_mutation(
@@ -210,16 +238,23 @@ def reject_argument_mutation(
     ]
     if not mutated:
         return
-    line = _mutation_line(fn, args)
+    line, op = _mutation_line(fn, args)
+    norm = op in ("batch_norm", "instance_norm")
     raise fail(
-        f"{mutated[0]} is modified in place{f' at {line}' if line else ''}. A traced step must "
+        f"{mutated[0]} is modified in place{f' at {line}' if line else ''}"
+        f"{f' ({op} updates its running statistics in place)' if norm else ''}. A traced step must "
         "be functional: arguments are read, new values are returned.",
-        "compute a new tensor (e.g. `w = w + 1` instead of `w.add_(1)`) and return it; "
-        "the caller rebinds it.",
+        (
+            "pass copies to the norm and return them: `rm, rv = rm.clone(), rv.clone()` before "
+            f"the {op} call, then `return ..., rm, rv`."
+            if norm
+            else "compute a new tensor (e.g. `w = w + 1` instead of `w.add_(1)`) and return it; "
+            "the caller rebinds it."
+        ),
     )
 
 
-def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str | None, str | None]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiler.trace import arg_names, path_str  # trace imports this module
@@ -239,4 +274,4 @@ def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
                 fn(*optree.tree_unflatten(tree, fakes))
         except Exception:
             pass
-    return finder.found[1] if finder.found else None
+    return (finder.found[1], finder.found[2]) if finder.found else (None, None)
