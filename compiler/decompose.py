@@ -36,6 +36,12 @@ def _mean(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any
     for d in dims:
         count *= x.shape[d]
     out = dtype if dtype is not None else x.dtype
+    if not (out.is_floating_point or out.is_complex):  # torch's own check, with its error type
+        which = "Optional dtype" if dtype is not None else "Input dtype"
+        raise RuntimeError(
+            f"mean(): could not infer output dtype. {which} must be either a floating point or "
+            f"complex dtype. Got: {out}"
+        )
     if out in _HALF:
         return (torch.sum(x, dims, keepdim, dtype=torch.float32) / count).to(out)
     return torch.sum(x, dims, keepdim, dtype=dtype) / count

@@ -999,3 +999,39 @@ def test_constants_behind_getattr_slots_same_named_places_tuples_and_dead_proxie
     layer.owner = weakref.proxy(owner)  # type: ignore[attr-defined]
     del owner
     torch.testing.assert_close(sharded(lambda x: layer.apply(x), **spec)(x), x * 3)
+
+
+def test_reductions_over_no_dims_and_of_0_dim_pending_sums() -> None:
+    """``any``/``all`` with ``dim=()`` reduce nothing (sum/amax with ``[]`` reduce everything), and
+    a softmax of a 0-dim value that is still a pending sum takes the sum first: both were refused
+    with "no sharding rule"."""
+    x = torch.tensor([[0.5, -1.0, 2.0, -3.0], [-1.0, -2.0, -0.5, 4.0]])
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            (x > 0).any(dim=()),
+            (x > 3).all(dim=()),
+            (x > 0).any(dim=(0, 1)),
+            x.amax(dim=()),
+            x.sum(dim=()),
+            x.sum().softmax(0),
+            x.sum().log_softmax(-1),
+        )
+
+    for spec in (P(None, "dp"), P("dp", "tp")):
+        got = sharded(f, mesh=mesh, in_specs=(spec,), out_specs=P())(x)
+        for a, b in zip(got, f(x), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a, b)
+
+
+def test_an_integer_mean_raises_as_eager_does() -> None:
+    """torch refuses a mean with an integer result; the sharded step used to return a float."""
+    x = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 9]])
+    mesh = Mesh({"dp": 2}, simulate=True)
+    for f in (lambda x: x.mean(1), lambda x: torch.mean(x, 0, dtype=torch.int64)):
+        with pytest.raises(RuntimeError, match="could not infer output dtype"):
+            f(x)
+        with pytest.raises(RuntimeError, match="could not infer output dtype"):
+            sharded(f, mesh=mesh, in_specs=(P(None, "dp"),), out_specs=P())(x)

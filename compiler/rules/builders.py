@@ -160,6 +160,9 @@ def is_zeros(n: Any) -> bool:
     return isinstance(value, (int, float)) and value == 0
 
 
+_EMPTY_REDUCES_NONE = (torch.ops.aten.any.dims, torch.ops.aten.all.dims)
+
+
 def reduction(node: Node, kind: str) -> Built:
     """sum / amax-style reductions over ``dims`` (all dims when absent), with keepdim."""
     x = node.args[0]
@@ -167,11 +170,10 @@ def reduction(node: Node, kind: str) -> Built:
     shape = shape_of(x)
     dims = arg(node, 1)
     keep = bool(arg(node, 2, node.kwargs.get("keepdim", False)))
-    reduced = (
-        set(range(len(shape)))
-        if dims in (None, [])
-        else {d % max(len(shape), 1) for d in (dims if isinstance(dims, Sequence) else [dims])}
-    )
+    if dims in (None, []):  # all dims, except any/all.dims, where an empty list reduces none
+        reduced = set() if dims == [] and node.target in _EMPTY_REDUCES_NONE else set(range(len(shape)))
+    else:
+        reduced = {d % max(len(shape), 1) for d in (dims if isinstance(dims, Sequence) else [dims])}
     names = letters(len(shape))
     mark = "!" if kind == "max" else ""
     ins = [n + (mark if i in reduced else "") for i, n in enumerate(names)]
@@ -279,7 +281,7 @@ def softmax_like(node: Node, operands: int, linear: str) -> Built:
     """_log_softmax / _softmax (and their backward): the softmax dim stays replicated."""
     xs = tensor_args(node)[:operands]
     shape = shape_of(xs[0])
-    dim = int(arg(node, operands)) % len(shape)
+    dim = int(arg(node, operands)) % max(len(shape), 1)  # a 0-dim value is its own softmax dim
     names = [n + ("!" if k == dim else "") for k, n in enumerate(letters(len(shape)))]
     return line([names] * operands, [names]), linear, xs
 
