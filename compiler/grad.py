@@ -35,7 +35,8 @@ def value_and_grad(
 
     With ``microbatches=m`` the batch arguments are split into ``m`` chunks along dim 0, chunk k
     holding rows k, k + m, k + 2m, ... (so a batch split over data-parallel devices splits every
-    chunk the same way and no rows move), and the loss and gradients are the mean over chunks
+    chunk the same way and, when B / m divides over them, no rows move), and the loss and gradients
+    are the mean over chunks (a loss coupling a batch's examples sees each chunk's rows only)
     (gradient accumulation: the chunks' gradients add up as pending sums and are reduced once per
     step). The batch arguments are ``batch_argnums``; by default (``None``) every argument not
     differentiated, so an argument meant for every example (a mask, a table) must be left out by
@@ -122,15 +123,16 @@ def value_and_grad(
                 f"value_and_grad(microbatches={shown(microbatches)}) must be a positive int.",
                 "pass the number of chunks to split the batch into.",
             )
-        if batches is not None and (bad := [b for b in batches if not 0 <= b < len(args)]):
+        if batches is not None and (bad := [b for b in batches if not -len(args) <= b < len(args)]):
             raise fail(
                 f"value_and_grad(batch_argnums={shown(batch_argnums)}) names argument(s) {bad}, but the "
                 f"function was called with {len(args)} argument(s).",
-                f"name positions 0 to {len(args) - 1} (the batch arguments).",
+                f"name positions 0 to {len(args) - 1} (or -1 to -{len(args)} from the end).",
             )
+        split = None if batches is None else {b % len(args) for b in batches}  # as argnums: -1 last
         chunks = []
         for i, a in enumerate(args):
-            if i in {n % len(args) for n in nums} or (batches is not None and i not in batches):
+            if i in {n % len(args) for n in nums} or (split is not None and i not in split):
                 chunks.append([a] * microbatches)  # differentiated, or the same for every example
                 continue
             chunks.append(_split(a, microbatches, i))

@@ -297,5 +297,7 @@ def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
             "as torch.cov does). The step is traced once on shapes only, so what depends on a "
             "tensor's value cannot be compiled.",
             "compute both sides and select with torch.where, move the decision out of the step (pass "
-            "it as a Python scalar argument), or write the op from ops that do not read values.",
+            "it as a Python scalar argument), index with a 1-element tensor instead of a 0-dim one "
+            "(x.index_select(0, i.reshape(1)), torch.gather), or write the op from ops that do not "
+            "read values.",
         ) from None

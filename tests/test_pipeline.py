@@ -346,6 +346,12 @@ def test_batch_argnums_keeps_a_non_batch_argument_whole():
         shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=(0, 1))
     with pytest.raises(ShardingError, match=r"names argument\(s\) \[5\].*called with 3"):
         shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=5)(p, x, mask)
+    from_end = shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=-2)
+    _close(from_end(p, x, mask), want)  # counted from the end, as argnums may be
+    with pytest.raises(ShardingError, match=r"names argument\(s\) \[-4\].*called with 3"):
+        shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=-4)(p, x, mask)
+    with pytest.raises(ShardingError, match=r"argument\(s\) \[0\] are both differentiated"):
+        shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=(-3, -2))(p, x, mask)
 
 
 def test_error_constrain_over_the_pipeline_axis_names_the_constrain():
