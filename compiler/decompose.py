@@ -126,17 +126,15 @@ def _batch_norm(
     holding a block of the statistics would write a copy that is thrown away. Traced as the fused
     kernel without running statistics (pure, with a rule) and their update as ops written back with
     ``copy_``, which functionalization turns into results (and the checks see)."""
-    if not training or (running_mean is None and running_var is None):
-        return NotImplemented  # traced as the fused op itself: it writes nothing
-    out, mean, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, momentum, eps)
-    if running_mean is not None:
-        new = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
-        running_mean.copy_(new)
-    if running_var is not None:  # eager updates it with the unbiased variance of the batch
-        dims = [0, *range(2, x.dim())]
-        var = torch.var(x, dims, correction=1).to(running_var.dtype)
-        running_var.copy_(running_var * (1 - momentum) + var * momentum)
-    return out, mean, invstd
+    if not training or running_mean is None or running_var is None or not x.is_floating_point():
+        return NotImplemented  # the fused op itself: it writes nothing, or raises as eager does
+    out, save_mean, invstd = aten.native_batch_norm(x, weight, bias, None, None, True, momentum, eps)
+    # eager's update takes the batch's mean and unbiased variance, in fp32 for half-precision input
+    wide = torch.float32 if x.dtype in _HALF else x.dtype
+    var, mean = torch.var_mean(x.to(wide), [0, *range(2, x.dim())], correction=1)
+    running_mean.copy_(running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum)
+    running_var.copy_(running_var * (1 - momentum) + var.to(running_var.dtype) * momentum)
+    return out, save_mean, invstd
 
 
 _EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {

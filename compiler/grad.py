@@ -109,6 +109,12 @@ def value_and_grad(
     def run(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call = next(_CALLS)
         _check_differentiable(nums, argnums, args)
+        if batches is not None and (bad := [b for b in batches if not -len(args) <= b < len(args)]):
+            raise fail(
+                f"value_and_grad(batch_argnums={shown(batch_argnums)}) names argument(s) {bad}, but the "
+                f"function was called with {len(args)} argument(s).",
+                f"name positions 0 to {len(args) - 1} (or -1 to -{len(args)} from the end).",
+            )
         if batches is not None and (both := {n % len(args) for n in nums} & {b % len(args) for b in batches}):
             raise fail(
                 f"value_and_grad(argnums={shown(argnums)}, batch_argnums={shown(batch_argnums)}): "
@@ -122,12 +128,6 @@ def value_and_grad(
             raise fail(
                 f"value_and_grad(microbatches={shown(microbatches)}) must be a positive int.",
                 "pass the number of chunks to split the batch into.",
-            )
-        if batches is not None and (bad := [b for b in batches if not -len(args) <= b < len(args)]):
-            raise fail(
-                f"value_and_grad(batch_argnums={shown(batch_argnums)}) names argument(s) {bad}, but the "
-                f"function was called with {len(args)} argument(s).",
-                f"name positions 0 to {len(args) - 1} (or -1 to -{len(args)} from the end).",
             )
         split = None if batches is None else {b % len(args) for b in batches}  # as argnums: -1 last
         chunks = []

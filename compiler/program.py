@@ -178,8 +178,11 @@ def compile_program(
             spec_to_placements(s, mesh, t.shape, name=p)
         for p, s, t in zip(traced.out_paths, out_leaf_specs, traced.outputs, strict=True):
             spec_to_placements(s, mesh, t.shape, name=p)
-    inputs = [Sharding.of(s, len(t.shape)) for s, t in zip(tensor_specs, traced.inputs, strict=True)]
-    outputs = [Sharding.of(s, len(t.shape)) for s, t in zip(out_leaf_specs, traced.outputs, strict=True)]
+    # axes of size 1 split nothing: dropped, so layouts naming them meet the others' rules for free
+    inputs = [Sharding.of(s, len(t.shape), mesh) for s, t in zip(tensor_specs, traced.inputs, strict=True)]
+    outputs = [
+        Sharding.of(s, len(t.shape), mesh) for s, t in zip(out_leaf_specs, traced.outputs, strict=True)
+    ]
     prop = propagate(traced.module.graph, inputs, outputs, mesh, unsupported, strict=strict)
     if cost_model is not None or auto_in or auto_out:  # the global planner, never worse than greedy
         from compiler.plan import CostModel, Free, plan_globally

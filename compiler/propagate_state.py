@@ -186,4 +186,4 @@ class PropagatorBase:
         spec.validate(
             self.mesh, len(shape(node)), name=f"constrain at {where or node.name}", shape=shape(node)
         )
-        return Sharding.of(spec, len(shape(node)))
+        return Sharding.of(spec, len(shape(node)), self.mesh)

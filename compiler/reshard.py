@@ -52,7 +52,10 @@ def _ordered(axes: set[str] | tuple[str, ...], mesh: Mesh) -> Axes:
 
 
 def plan(shape: tuple[int, ...], dtype: torch.dtype, src: Sharding, dst: Sharding, mesh: Mesh) -> list[Step]:
-    """Collectives (and local slices) taking a value from ``src`` to ``dst``."""
+    """Collectives (and local slices) taking a value from ``src`` to ``dst``. Axes of size 1 are
+    dropped first: ``P(("tp", "dp"))`` with one ``tp`` device is ``P("dp")``, block for block, and
+    a pending sum over one device is complete."""
+    src, dst = src.on(mesh), dst.on(mesh)
     if src == dst:
         return []
     return list(_plan(tuple(shape), dtype, src, dst, mesh))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardspec.mesh import Mesh
 from shardspec.spec import P
 
 Axes = tuple[str, ...]
@@ -24,8 +25,21 @@ class Sharding:
         return Sharding(((),) * ndim)
 
     @staticmethod
-    def of(spec: P, ndim: int) -> Sharding:
-        return Sharding(tuple(spec.axes_of(d) for d in range(ndim)))
+    def of(spec: P, ndim: int, mesh: Mesh | None = None) -> Sharding:
+        """``spec``'s layout; with ``mesh``, without its axes of size 1, which split nothing
+        (``P(("tp", "dp"))`` with one ``tp`` device holds ``P("dp")``'s blocks)."""
+        dims = tuple(spec.axes_of(d) for d in range(ndim))
+        if mesh is not None:
+            dims = tuple(tuple(a for a in d if mesh.axis_size(a) > 1) for d in dims)
+        return Sharding(dims)
+
+    def on(self, mesh: Mesh) -> Sharding:
+        """This layout without the mesh's axes of size 1 (a pending sum over one device is
+        complete)."""
+        if all(mesh.axis_size(a) > 1 for a in self.axes + self.partial):
+            return self
+        dims = tuple(tuple(a for a in d if mesh.axis_size(a) > 1) for d in self.dims)
+        return Sharding(dims, tuple(a for a in self.partial if mesh.axis_size(a) > 1))
 
     @property
     def spec(self) -> P:

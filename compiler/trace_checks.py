@@ -25,7 +25,7 @@ def reject_constant_mutation(module: torch.fx.GraphModule, fn: Any = None) -> No
         schema = getattr(n.target, "_schema", None)
         if n.op != "call_function" or schema is None or not schema.is_mutable:
             continue
-        const = next((w for w in _writes(n, schema) if w.op == "get_attr"), None)
+        const = next((b for w in _writes(n, schema) if (b := _view_base(w)).op == "get_attr"), None)
         if const is not None:
             held = _held_at(fn, getattr(module, str(const.target), None))
             buffer = any(isinstance(p.parent().resolve(), torch.nn.Module) for p in held)
@@ -44,6 +44,18 @@ def reject_constant_mutation(module: torch.fx.GraphModule, fn: Any = None) -> No
                     else "."
                 ),
             )
+
+
+def _view_base(n: torch.fx.Node) -> torch.fx.Node:
+    """The value ``n`` is a view of (``W[0]``, ``W.t()``, ``W.detach()`` -> ``W``), else ``n``:
+    a write through a view writes its base."""
+    while n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node):
+        schema = getattr(n.target, "_schema", None)
+        returns = schema.returns if schema is not None else ()
+        if not returns or returns[0].alias_info is None or returns[0].alias_info.is_write:
+            break
+        n = n.args[0]
+    return n
 
 
 def _writes(n: torch.fx.Node, schema: Any) -> list[torch.fx.Node]:
@@ -87,11 +99,11 @@ def reject_sparse_constants(module: torch.fx.GraphModule) -> None:
 
 
 def lift_constants_written_with_inputs(module: torch.fx.GraphModule) -> None:
-    """``torch.zeros_like(T).add_(x)`` with ``T`` closed over: ops on constants alone run on plain
-    tensors when the graph is replayed under functionalize, and an in-place write of a traced value
-    into their result is a PyTorch internal assert. Each constant such a write descends from is
-    read through ``lift_fresh_copy`` (what tracing does for ``torch.tensor(...)``), so the whole
-    chain is functional; a write to the constant itself is refused above."""
+    """``torch.zeros_like(T).add_(x)`` or ``b = T.clone(); b[0] = 0`` with ``T`` closed over: ops on
+    constants alone run on plain tensors when the graph is replayed under functionalize, and an
+    in-place write into their result is a PyTorch internal assert. Each constant such a write
+    descends from is read through ``lift_fresh_copy`` (what tracing does for ``torch.tensor(...)``),
+    so the whole chain is functional; a write to the constant itself is refused above."""
     graph = module.graph
     plain: set[torch.fx.Node] = set()  # replayed on plain tensors: computed from constants alone
     for n in graph.nodes:
@@ -101,21 +113,14 @@ def lift_constants_written_with_inputs(module: torch.fx.GraphModule) -> None:
     lift: set[torch.fx.Node] = set()
     for n in graph.nodes:
         schema = getattr(n.target, "_schema", None)
-        target = n.args[0] if n.args else None
-        if (
-            n.op == "call_function"
-            and schema is not None
-            and schema.is_mutable
-            and isinstance(target, torch.fx.Node)
-            and target in plain
-            and any(a not in plain for a in n.all_input_nodes)  # a functional value (even a factory's)
-        ):
-            todo = [target]
-            while todo:
-                x = todo.pop()
-                if x.op == "get_attr":
-                    lift.add(x)
-                todo += x.all_input_nodes
+        if n.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        todo = [w for w in _writes(n, schema) if w in plain]  # (a copy of a constant: b = W.clone())
+        while todo:
+            x = todo.pop()
+            if x.op == "get_attr":
+                lift.add(x)
+            todo += x.all_input_nodes
     for const in lift:
         with graph.inserting_after(const):
             lifted = graph.call_function(aten.lift_fresh_copy.default, (const,))
@@ -207,23 +212,36 @@ class _FindMutation(TorchFunctionMode):
         return out
 
 
+_BUFFER_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 _IN_PLACE_DUNDERS = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
-_RUNNING_STATS = ((1, "running_mean"), (2, "running_var"))  # F.batch_norm's and F.instance_norm's
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})  # flags, not values
+# the norms that write their running statistics in training: (training flag, its position, the
+# statistics' positions and names)
+_STATS = ((1, "running_mean"), (2, "running_var"))
+_NORMS: dict[Any, tuple[str, int, tuple[tuple[int, str], ...]]] = {
+    torch.nn.functional.batch_norm: ("training", 5, _STATS),
+    torch.nn.functional.instance_norm: ("use_input_stats", 5, _STATS),
+    torch.batch_norm: ("training", 5, ((3, "running_mean"), (4, "running_var"))),
+}
 
 
 def _written(func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors a torch function call writes: an in-place op's first argument, ``out=``, and
     batch norm's running statistics in training (written although they are inputs)."""
     found: list[Any] = []
-    if args and ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS):
+    if args and (
+        (name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES)
+        or name in _IN_PLACE_DUNDERS
+    ):
         found.append(args[0])
     out = kwargs.get("out")
     found += list(out) if isinstance(out, (tuple, list)) else [out]
-    if func is torch.nn.functional.batch_norm or func is torch.nn.functional.instance_norm:
-        flag = "training" if func is torch.nn.functional.batch_norm else "use_input_stats"
-        on = args[5] if len(args) > 5 else kwargs.get(flag, func is torch.nn.functional.instance_norm)
+    norm = _NORMS.get(func)
+    if norm is not None:
+        flag, at, stats = norm
+        on = args[at] if len(args) > at else kwargs.get(flag, func is torch.nn.functional.instance_norm)
         if on:
-            found += [args[i] if len(args) > i else kwargs.get(k) for i, k in _RUNNING_STATS]
+            found += [args[i] if len(args) > i else kwargs.get(k) for i, k in stats]
     return [t for t in found if isinstance(t, torch.Tensor)]
 
 
@@ -238,15 +256,16 @@ def reject_argument_mutation(
     ]
     if not mutated:
         return
-    line, op = _mutation_line(fn, args)
-    norm = op in ("batch_norm", "instance_norm")
+    line, op = _mutation_line(fn, args, mutated[0])
+    norm = op in ("batch_norm", "instance_norm") or any(s in mutated[0] for s in _BUFFER_NAMES)
     raise fail(
         f"{mutated[0]} is modified in place{f' at {line}' if line else ''}"
-        f"{f' ({op} updates its running statistics in place)' if norm else ''}. A traced step must "
+        f"{' (a norm updates its running statistics in place)' if norm else ''}. A traced step must "
         "be functional: arguments are read, new values are returned.",
         (
             "pass copies to the norm and return them: `rm, rv = rm.clone(), rv.clone()` before "
-            f"the {op} call, then `return ..., rm, rv`."
+            "the call (a module's buffers through functional_call: `buffers = {k: v.clone() for "
+            "k, v in buffers.items()}`), then return the copies."
             if norm
             else "compute a new tensor (e.g. `w = w + 1` instead of `w.add_(1)`) and return it; "
             "the caller rebinds it."
@@ -254,7 +273,9 @@ def reject_argument_mutation(
     )
 
 
-def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str | None, str | None]:
+def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...], path: str) -> tuple[str | None, str | None]:
+    """The user's line (and the op) of the first write to the argument at ``path``, found by
+    running the step eagerly on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiler.trace import arg_names, path_str  # trace imports this module
@@ -266,7 +287,7 @@ def _mutation_line(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str |
         targets = {
             id(f): path_str(names[p[0]], p[1:])
             for p, f in zip(paths, fakes, strict=True)
-            if isinstance(f, torch.Tensor)
+            if isinstance(f, torch.Tensor) and path_str(names[p[0]], p[1:]) == path
         }
         finder = _FindMutation(targets)
         try:

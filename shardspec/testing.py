@@ -326,7 +326,7 @@ def specs_for(shape: Sequence[int], mesh: Any, *, even: bool = False) -> Any:
         free = list(mesh.axis_names)
         entries: list[Any] = []
         for length in shape:
-            k = draw(st.integers(0, min(2, len(free))))
+            k = draw(st.integers(0, len(free)))  # a tuple of any of the free axes
             chosen = tuple(draw(st.permutations(free))[:k])
             if even and chosen and length % math.prod(mesh.shape[a] for a in chosen):
                 chosen = ()

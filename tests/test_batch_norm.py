@@ -4,6 +4,8 @@ written into an argument or a closed-over tensor they are errors naming it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,3 +139,95 @@ def test_out_tuple_into_closed_over_tensors_is_refused() -> None:
     step = sharded(f, mesh=MESHES["dp"], in_specs=(P("dp"),), out_specs=P("dp"))
     with pytest.raises(ShardingError, match=r"closes over \(values, shape \(4,\)\)"):
         step(torch.randn(8, 4))
+
+
+def test_half_precision_input_updates_fp32_statistics_from_an_fp32_variance() -> None:
+    x = torch.randn(64, 4, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    rm, rv = torch.zeros(4), torch.ones(4)
+
+    def f(x: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rm, rv = rm.clone(), rv.clone()
+        return F.batch_norm(x, rm, rv, training=True, momentum=1.0), rm, rv
+
+    step = sharded(f, mesh=MESHES["dp"], in_specs=(P("dp"), P(), P()), out_specs=(P("dp"), P(), P()))
+    _, got_rm, got_rv = step(x, rm, rv)
+    _, want_rm, want_rv = f(x, rm, rv)
+    torch.testing.assert_close(got_rv, want_rv)  # fp32 tolerance: not rounded through bf16
+    torch.testing.assert_close(got_rm, want_rm)
+
+
+def test_one_statistic_without_the_other_raises_as_eager_does() -> None:
+    def f(x: torch.Tensor, rm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rm = rm.clone()
+        return F.batch_norm(x, rm, None, training=True), rm
+
+    x, rm = torch.randn(8, 4), torch.zeros(4)
+    with pytest.raises(ValueError, match="both be None or neither"):
+        f(x, rm)
+    with pytest.raises(ValueError, match="both be None or neither"):
+        sharded(f, mesh=MESHES["dp"], in_specs=(P("dp"), P()), out_specs=(P("dp"), P()))(x, rm)
+
+
+W = torch.zeros(4, 2)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda x: W.__setitem__(0, x[0]),
+        lambda x: W.view(-1).add_(1),
+        lambda x: W.detach().add_(1),
+        lambda x: W.t().mul_(2),
+        lambda x: F.batch_norm(x, W[0], W[1], training=True),
+    ],
+    ids=["setitem", "view", "detach", "t", "bn_stats_view"],
+)
+def test_a_write_through_a_view_of_a_closed_over_tensor_is_refused(write: Any) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        write(x)
+        return x + 1
+
+    step = sharded(f, mesh=MESHES["dp"], in_specs=(P(None, None),), out_specs=P())
+    with pytest.raises(ShardingError, match=r"closes over \(W, shape \(4, 2\)\)"):
+        step(torch.ones(2, 2))
+    assert torch.equal(W, torch.zeros(4, 2))
+
+
+def test_writes_into_copies_of_closed_over_tensors_run_as_eager() -> None:
+    """Ops on constants alone run on plain tensors when the step is functionalized: a write into
+    their result (``b = W.clone(); b[2:4] = 0``, ``out=b``) was a PyTorch internal assert."""
+    base = torch.randn(8, 4)
+
+    def setitem(x: torch.Tensor) -> torch.Tensor:
+        b = base.clone()
+        b[2:4] = 0.0
+        return b + x
+
+    def out(x: torch.Tensor) -> torch.Tensor:
+        b = base.clone()
+        torch.mul(x, 2, out=b)
+        return b + base
+
+    x = torch.randn(8, 4)
+    for fn in (setitem, out):
+        for spec in (P("dp"), P(None, "dp")):
+            got = sharded(fn, mesh=MESHES["dp"], in_specs=(spec,), out_specs=spec)(x)
+            torch.testing.assert_close(got, fn(x))
+
+
+def test_the_argument_error_names_the_line_writing_that_argument() -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        b.requires_grad_(False)  # a flag, not a write
+        a.mul_(2)
+        return a + b
+
+    step = sharded(f, mesh=MESHES["dp"], in_specs=(P(), P()), out_specs=P())
+    with pytest.raises(ShardingError, match=r"a is modified in place at .*: a\.mul_\(2\)"):
+        step(torch.ones(4), torch.ones(4))
+
+    def g(x: torch.Tensor, rm: torch.Tensor, rv: torch.Tensor) -> torch.Tensor:
+        return torch.batch_norm(x, None, None, rm, rv, True, 0.1, 1e-5, False)
+
+    step = sharded(g, mesh=MESHES["dp"], in_specs=(P("dp"), P(), P()), out_specs=P("dp"))
+    with pytest.raises(ShardingError, match=r"(?s)rm is modified in place at .*torch\.batch_norm.*clone"):
+        step(torch.randn(8, 4), torch.zeros(4), torch.ones(4))

@@ -6,6 +6,7 @@ summed loss and, for cross-entropy, the count of targets): those are checked apa
 """
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +181,44 @@ def test_an_uneven_all_to_all_is_priced_at_its_busiest_rank(shape: tuple[int, in
         assert torch.equal(step(x), x * 2)
     assert low.cost().comm_bytes_per_rank == counter.total_bytes_per_rank
     assert [c.bytes_per_rank for c in low.collectives()] == [counter.total_bytes_per_rank]
+
+
+def test_layouts_that_differ_only_by_size_1_axes_communicate_nothing() -> None:
+    """With one ``tp`` device, ``P(("tp", "dp"))`` holds every rank's block of ``P("dp")``: a reshard
+    between such layouts (and a pending sum over one device) is free, and the value exact."""
+    import itertools
+
+    from shardspec.layout import device_slices
+
+    mesh = Mesh({"dp": 2, "tp": 1}, simulate=True)
+    x = torch.randn(4, 6)
+    entries = [None, "dp", "tp", ("dp", "tp"), ("tp", "dp")]
+    specs = []
+    for a, b in itertools.product(entries, entries):
+        try:
+            P(a, b).validate(mesh, 2)
+        except shardspec.ShardingError:
+            continue  # an axis used twice
+        specs.append(P(a, b))
+    same = [
+        (s, d)
+        for s, d in itertools.product(specs, specs)
+        if all(
+            device_slices(x.shape, mesh, s, r) == device_slices(x.shape, mesh, d, r) for r in range(mesh.size)
+        )
+    ]
+    assert len(same) > len(specs)  # pairs of distinct specs with the same blocks are among them
+    for s, d in same:
+        low = sharded(lambda x: x * 1, mesh=mesh, in_specs=(s,), out_specs=d).lower(x)
+        assert low.cost().collective_count == 0, (s, d, low.collectives())
+        torch.testing.assert_close(sharded(lambda x: x * 1, mesh=mesh, in_specs=(s,), out_specs=d)(x), x)
+    # a contraction split over tuples with a size-1 axis, in either order: planned as over dp alone
+    w = torch.randn(6, 3)
+
+    def mm(xs: P, ws: P) -> Any:
+        return sharded(lambda x, w: x @ w, mesh=mesh, in_specs=(xs, ws), out_specs=P())
+
+    tuples = mm(P(None, ("tp", "dp")), P(("dp", "tp")))
+    plain = mm(P(None, "dp"), P("dp"))
+    assert tuples.lower(x, w).cost() == plain.lower(x, w).cost()
+    torch.testing.assert_close(tuples(x, w), x @ w)
