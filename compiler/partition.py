@@ -202,6 +202,11 @@ class _Partitioner:
             args[_SIZE_ARG[node.target]] = list(lshape)
         if node.target is aten.native_group_norm.default:  # N is passed explicitly: this rank's N
             args[3] = self.local(shape(p.operands[0]), p.required[0])[0]
+        if node.target is aten.convolution_backward.default and args[3] is not None:
+            # bias_sizes: this rank's output channels, grad_out's channel dim (after a batch dim)
+            grad_out = self.local(shape(p.operands[0]), p.required[0])
+            batched = len(shape(p.operands[1])) == len(shape(p.operands[2]))
+            args[3] = [grad_out[1 if batched else 0]]
         # keyword tensors as resharded for this op too (the replicate fallback counts them as operands)
         kwargs = {k: local(v) for k, v in node.kwargs.items()}
         assert callable(node.target)

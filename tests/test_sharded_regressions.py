@@ -1035,3 +1035,32 @@ def test_an_integer_mean_raises_as_eager_does() -> None:
             f(x)
         with pytest.raises(RuntimeError, match="could not infer output dtype"):
             sharded(f, mesh=mesh, in_specs=(P(None, "dp"),), out_specs=P())(x)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_conv_bias_gradient_with_output_channels_split_and_the_batch_split(transposed: bool) -> None:
+    """convolution_backward takes the bias's size as an argument: each rank's must be its own
+    output channels (it was the global count, a shape error in the per-rank program)."""
+    import torch.nn.functional as F
+
+    op = F.conv_transpose2d if transposed else F.conv2d
+    g = torch.Generator().manual_seed(0)
+    w, b, x = (
+        torch.randn(4, 4, 3, 3, generator=g),
+        torch.randn(4, generator=g),
+        torch.randn(2, 4, 5, 5, generator=g),
+    )
+
+    def loss(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return op(x, w, b, padding=1).sin().sum()
+
+    def grads(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> Any:
+        return shardspec.value_and_grad(loss, argnums=(0, 1))(w, b, x)
+
+    want = grads(w, b, x)
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+    w_spec = P(None, "tp") if transposed else P("tp")
+    got = sharded(grads, mesh=mesh, in_specs=(w_spec, P("tp"), P("dp")), out_specs=(P(), (w_spec, P("tp"))))(
+        w, b, x
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
