@@ -516,3 +516,43 @@ def test_a_pipeline_with_dp_reports_each_position_own_collectives() -> None:
     assert low.cost().collective_count == launches[busiest]
     for r in range(4):
         assert len(low.launches(r)) == launches[r]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_weight_gathered_for_backward_and_reused_by_the_next_forward(schedule: str) -> None:
+    """A convolution's weight split over tp is gathered whole for its backward; the next
+    microbatch's forward reuses that gather. It runs in the action of its first use in the
+    position's schedule: it was placed in microbatch 0's backward, which 1F1B runs after
+    microbatch 1's forward, and the step was refused."""
+    import torch.nn.functional as F
+
+    def loss_fn(p, x, y):
+        h = F.conv2d(x, p["c1"], padding=1).relu()
+        h = shardspec.pipeline_boundary(h)
+        h = F.conv2d(h, p["c2"], padding=1).relu()
+        h = shardspec.pipeline_boundary(h)
+        h = F.conv2d(h, p["c3"])
+        return F.cross_entropy(h.mean((2, 3)), y)
+
+    opt = optim.sgd(lr=1e-2)
+
+    def step(p, s, x, y):
+        loss, g = shardspec.value_and_grad(loss_fn, microbatches=2)(p, x, y)
+        return (*opt.update(g, s, p), loss)
+
+    gen = torch.Generator().manual_seed(0)
+    p = {
+        k: torch.randn(*shape, generator=gen)
+        for k, shape in {"c1": (4, 3, 3, 3), "c2": (4, 4, 3, 3), "c3": (4, 4, 1, 1)}.items()
+    }
+    x, y = torch.randn(8, 3, 6, 6, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    s = opt.init(p)
+    ps = {"c1": P(), "c2": P("tp"), "c3": P()}
+    run = sharded(
+        step,
+        mesh=Mesh({"pp": 2, "tp": 2}, simulate=True),
+        in_specs=(ps, opt.state_specs(ps), P(), P()),
+        out_specs=(ps, opt.state_specs(ps), P()),
+        pipeline=Pipeline(axis="pp", schedule=schedule),
+    )
+    torch.testing.assert_close(run(p, s, x, y), step(p, s, x, y), rtol=1e-4, atol=1e-5)

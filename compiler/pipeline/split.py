@@ -114,6 +114,34 @@ def _weight_nodes(gm: GraphModule, labels: dict[Node, Label], p: int) -> set[Nod
     return {n for n, lab in labels.items() if lab.kind == "B" and n not in feeds}
 
 
+def _run_at_first_use(
+    nodes: Sequence[Node],
+    keys: dict[Node, Hashable],
+    where: dict[Node, int],
+    lists: Lists,
+    plan: StagePlan,
+) -> None:
+    """An inserted node (a collective, a reshape) runs in the action of its first user in its
+    position's schedule, not of its first user in the graph: a weight gathered for one
+    microbatch's backward and reused by the next one's forward (a convolution's weight, split over
+    tp, needed whole by its backward) would otherwise make that forward wait for the backward,
+    which 1F1B runs later. Users come after the node in the graph, so its inputs are there."""
+    index = [{a: i for i, a in enumerate(acts)} for acts in lists]
+    for n in reversed(nodes):
+        inserted = n.meta.get("shardspec_origin") not in plan.labels and n.target is not operator.getitem
+        if n not in keys or not inserted or not isinstance(keys[n], Action):
+            continue
+        q = where[n]
+        own = keys[n]
+        firsts = [
+            k
+            for u in n.users
+            if u in keys and where.get(u) == q and isinstance(k := keys[u], Action) and k in index[q]
+        ]
+        if firsts and own in index[q]:
+            keys[n] = min([own, *firsts], key=lambda a: index[q][a])
+
+
 def _replicated(
     nodes: Sequence[Node], where: dict[Node, int], labels: dict[Node, Label], p: int
 ) -> dict[Node, frozenset[int]]:
@@ -185,6 +213,7 @@ def split_program(
     keys = {n: _key(n, lab, weight) for n, lab in labels.items()}
     nodes = list(gm.graph.nodes)
     where = {n: lab.stage % p for n, lab in labels.items()}
+    _run_at_first_use(nodes, keys, where, lists, plan)
     copies = _replicated(nodes, where, labels, p)
     for n in copies:
         keys[n] = ("T", n.name)
