@@ -137,8 +137,48 @@ def _batch_norm(
     return out, save_mean, invstd
 
 
+def _convolution_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    transposed: bool,
+    output_padding: Any,
+    groups: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    """convolution_backward as one kernel call per gradient asked for, and the bias's as a sum.
+
+    The input's gradient keeps the batch and sums over output channels, the weight's the reverse:
+    one rule cannot say both, so a split batch (data parallel) would be gathered, activations and
+    all. Asked one at a time each call has a rule that keeps the split (the weight's gradient a
+    pending sum over the batch, reduced as data parallel's gradient), as layer norm's backward."""
+    if sum(bool(m) for m in output_mask) <= 1 and not output_mask[2]:
+        return NotImplemented  # one gradient of input or weight: the fused op itself
+
+    def one(k: int) -> torch.Tensor | None:
+        if not output_mask[k]:
+            return None
+        mask = [i == k for i in range(3)]
+        args = (stride, padding, dilation, transposed, output_padding, groups, mask)
+        return aten.convolution_backward(grad_out, x, weight, None, *args)[k]
+
+    grad_bias = None
+    if output_mask[2]:
+        batched = grad_out.dim() == weight.dim()
+        channel = 1 if batched else 0
+        wide = torch.float32 if grad_out.dtype in _HALF else grad_out.dtype
+        dims = [d for d in range(grad_out.dim()) if d != channel]
+        grad_bias = torch.sum(grad_out.to(wide), dims).to(grad_out.dtype)
+    return one(0), one(1), grad_bias
+
+
 _EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.native_batch_norm.default: _batch_norm,
+    aten.convolution_backward.default: _convolution_backward,
     aten.mean.dim: _mean,
     aten.mean.default: lambda x, *, dtype=None: _mean(x, dtype=dtype),
     aten.addmm.default: _addmm,

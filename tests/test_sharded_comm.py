@@ -222,3 +222,36 @@ def test_layouts_that_differ_only_by_size_1_axes_communicate_nothing() -> None:
     plain = mm(P(None, "dp"), P("dp"))
     assert tuples.lower(x, w).cost() == plain.lower(x, w).cost()
     torch.testing.assert_close(tuples(x, w), x @ w)
+
+
+def test_data_parallel_conv_net_sends_its_gradients_not_its_activations() -> None:
+    """convolution_backward's input and weight gradients are asked one at a time: together one
+    rule kept the batch whole and data parallel gathered every activation (50x the gradients)."""
+    gen = torch.Generator().manual_seed(0)
+    p = {
+        "c1": torch.randn(8, 3, 3, 3, generator=gen),
+        "b1": torch.randn(8, generator=gen),
+        "c2": torch.randn(8, 8, 3, 3, generator=gen),
+        "fc": torch.randn(8, 5, generator=gen),
+    }
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.conv2d(x, p["c1"], p["b1"], padding=1).relu()
+        h = F.conv2d(h, p["c2"], padding=1).relu()
+        return F.cross_entropy(h.mean((2, 3)) @ p["fc"], y)
+
+    def grads(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return shardspec.value_and_grad(loss_fn)(p, x, y)
+
+    x, y = torch.randn(16, 3, 8, 8, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+    step = sharded(
+        grads, mesh=Mesh({"dp": N}, simulate=True), in_specs=(P(), P("dp"), P("dp")), out_specs=P()
+    )
+    tensors, _ = _split(step.lower(p, x, y).collectives())
+    assert {r.kind for r in tensors} == {"all_reduce"}
+    assert sum(r.bytes_per_rank for r in tensors) == 2 * PHI * sum(t.numel() for t in p.values()) * 4
+    loss, g = step(p, x, y)
+    want_loss, want = grads(p, x, y)
+    torch.testing.assert_close(loss, want_loss)
+    for k in p:
+        torch.testing.assert_close(g[k], want[k], rtol=1e-4, atol=1e-5)
