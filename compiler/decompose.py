@@ -164,7 +164,7 @@ def _convolution_backward(
             return None
         mask = [i == k for i in range(3)]
         args = (stride, padding, dilation, transposed, output_padding, groups, mask)
-        return aten.convolution_backward(grad_out, x, weight, None, *args)[k]
+        return cast(torch.Tensor, aten.convolution_backward(grad_out, x, weight, None, *args)[k])
 
     grad_bias = None
     if output_mask[2]:
