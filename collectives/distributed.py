@@ -43,22 +43,61 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # A check issued at the start of a step's call and completed before its first collective (the
 # runtime sets it; see ``gate``): every collective function below passes the gate first.
 _GATE: list[Callable[[], None]] = []
+_GATE_FAILED = [False]  # whether the last held check raised
 
 
 def gate(check: Callable[[], None]) -> None:
     """Hold ``check`` until the next collective (or ``pass_gate``), which completes it first."""
+    _GATE_FAILED[0] = False
     _GATE.append(check)
 
 
 def pass_gate() -> None:
-    """Complete the held checks; one that raises leaves nothing held."""
+    """Complete the held checks; one that raises leaves nothing held (and says so: a check that
+    fails fails on every rank alike, before any collective of the step, so the group stays usable)."""
+    _GATE_FAILED[0] = False
     while _GATE:
-        _GATE.pop(0)()
+        check = _GATE.pop(0)
+        try:
+            check()
+        except BaseException:
+            _GATE_FAILED[0] = True
+            raise
+
+
+# Why this process's group can run no more collectives: a step raised on this rank partway
+# through its program, so peers may still wait in a collective this rank never joined (or left).
+_BROKEN: list[str] = []
+
+
+def gate_failed() -> bool:
+    """Whether the last ``pass_gate`` raised (a symmetric failure, not a broken group)."""
+    return _GATE_FAILED[0]
+
+
+def mark_broken(why: str) -> None:
+    if not _BROKEN:
+        _BROKEN.append(why)
+
+
+def check_usable(what: str) -> None:
+    """Refuse a collective after a step raised partway through on this rank: posting it would
+    pair with a peer's collective still waiting from that call (gloo aborts the process on the
+    size mismatch, or takes the bytes as that collective's data)."""
+    if _BROKEN:
+        raise fail(
+            f"{what}: {_BROKEN[0]} Its peers may still be waiting in one of that call's collectives, "
+            "so this process group cannot run another collective: it would pair with theirs.",
+            "end the job and start it again (torchrun restarts it; resume from the last "
+            "checkpoint); to skip bad data, check it before the step, on every rank.",
+        )
 
 
 def _gated(fn: F) -> F:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if _BROKEN:
+            check_usable(f"collectives.{fn.__name__}")
         if _GATE:
             pass_gate()
         return fn(*args, **kwargs)
@@ -353,6 +392,7 @@ def _finish(work: Any) -> None:
     try:
         work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as exc:
+        mark_broken(f"a collective of a step did not complete within {seconds:g} s.")
         raise fail(
             f"a collective of the step did not complete within {seconds:g} s ({exc}): a peer "
             "raised inside the step, died, or fell that far behind. The collective stays posted, so "

@@ -12,7 +12,7 @@ from typing import Any, cast
 import optree
 import torch
 
-from collectives.distributed import gate, pass_gate, set_wait_timeout
+from collectives.distributed import check_usable, gate, gate_failed, mark_broken, pass_gate, set_wait_timeout
 from collectives.simulated import run_simulated
 from compiler import constants, donation, inputs
 from compiler.constrain import constrain
@@ -22,7 +22,7 @@ from compiler.program import Program, broadcast_specs, compile_program, per_argu
 from compiler.random import check_no_outer_rng
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
 from compiler.trace import arg_names, path_str
-from shardspec.errors import fail, shown, user_facing
+from shardspec.errors import ShardingError, fail, shown, user_facing
 from shardspec.layout import check_spec, shard, unshard
 from shardspec.mesh import Mesh
 from shardspec.spec import P
@@ -253,6 +253,7 @@ class ShardedFunction:
                 plan = self._plans[id(program)] = _real_plan(program)
             plain = tuple(not _is_dtensor(t) for t in tensors)
             if self.mesh.size > 1:  # (one rank agrees with itself)
+                check_usable(self.__name__)
                 # which arguments are DTensors, and their placements, are part of the call: a rank
                 # passing a plain tensor where another passes a DTensor takes another path. Completed
                 # before the program's first collective (the gate), so its round trip overlaps the
@@ -290,6 +291,13 @@ class ShardedFunction:
             set_wait_timeout(self.timeout if self.mesh.device_mesh.device_type == "cpu" else None)
             try:
                 outs = _run_real(program, plan, tensors, self.backend)
+            except BaseException as exc:
+                # our own checks (ShardingError) fail alike on every rank, before any collective
+                # (a collective that timed out marks the group itself); anything else (a kernel's
+                # error on this rank's data, an interrupt) may leave peers waiting in a collective
+                if self.mesh.size > 1 and not gate_failed() and not isinstance(exc, ShardingError):
+                    _broken(self.__name__, exc)
+                raise
             finally:  # a program with no collective, or one that raised before its first
                 pass_gate()
         return optree.tree_unflatten(program.traced.out_tree, outs)
@@ -346,6 +354,18 @@ class ShardedFunction:
 
 
 FOREVER = 2.0**31  # seconds: timeout=None or inf (a finite deadline c10d can convert)
+
+
+def _broken(step: str, exc: BaseException) -> None:
+    """A step that raised on this rank partway through its program leaves peers that may wait in
+    one of its collectives: the group takes no more (``check_usable``), and the error says so."""
+    mark_broken(f"an earlier call of {step} raised on this rank inside its program ({type(exc).__name__}).")
+    if not isinstance(exc, KeyboardInterrupt):
+        exc.add_note(
+            f"shardspec: {step} raised on this rank partway through its program; its peers may "
+            "still wait in one of its collectives, so this process group can run no further "
+            "collective (a later call is an error). End the job; torchrun restarts it."
+        )
 
 
 def _seconds(timeout: Any) -> float:

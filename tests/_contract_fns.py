@@ -122,3 +122,26 @@ def one_rank_raises(rank: int, world: int, uneven: bool) -> str:
     except Exception as exc:  # rank 0: ShardingError; rank 1: torch's IndexError
         return str(exc)
     return "no error"
+
+
+def raise_then_call_again(rank: int, world: int) -> list[str]:
+    """A bad id on rank 1 only (embedding raises there); each rank then calls the step again, as a
+    loop that skips a bad batch would. Rank 0 waits in the first call's collective until the
+    timeout; the second call must be an error on both ranks, not a gloo abort on the mismatch."""
+    import torch.nn.functional as F
+
+    from shardspec import Mesh, P, sharded
+
+    mesh = Mesh({"dp": world})
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    step = sharded(
+        lambda w, i: F.embedding(i, w).sum(), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(), timeout=5
+    )
+    out = []
+    for ids in (torch.tensor([0, 5, 6, 2]), torch.tensor([0, 5, 5, 2])):  # 6 is out of range: rank 1's
+        try:
+            step(w, ids)
+            out.append("ok")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}")
+    return out
