@@ -294,8 +294,9 @@ class ShardedFunction:
             except BaseException as exc:
                 # our own checks (ShardingError) fail alike on every rank, before any collective
                 # (a collective that timed out marks the group itself); anything else (a kernel's
-                # error on this rank's data, an interrupt) may leave peers waiting in a collective
-                if self.mesh.size > 1 and not gate_failed() and not isinstance(exc, ShardingError):
+                # error on this rank's data, an interrupt) may leave peers waiting in a collective,
+                # unless the call's agreement check, still held, finds the ranks called differently
+                if self.mesh.size > 1 and not isinstance(exc, ShardingError) and _calls_agreed():
                     _broken(self.__name__, exc)
                 raise
             finally:  # a program with no collective, or one that raised before its first
@@ -354,6 +355,16 @@ class ShardedFunction:
 
 
 FOREVER = 2.0**31  # seconds: timeout=None or inf (a finite deadline c10d can convert)
+
+
+def _calls_agreed() -> bool:
+    """Complete the call's agreement check if it is still held: False when it fails (the ranks
+    called differently: every rank raises it, and none is left waiting in the program)."""
+    try:
+        pass_gate()
+    except ShardingError:
+        return False
+    return not gate_failed()
 
 
 def _broken(step: str, exc: BaseException) -> None:

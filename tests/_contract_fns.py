@@ -145,3 +145,29 @@ def raise_then_call_again(rank: int, world: int) -> list[str]:
         except Exception as exc:
             out.append(f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}")
     return out
+
+
+def raise_with_different_arguments(rank: int, world: int) -> list[str]:
+    """Rank 1 passes other ids (so the call's agreement check fails on every rank) and its own
+    are out of range: its error comes before the check completes. Nothing is left waiting, so the
+    next call must run on both ranks."""
+    from shardspec import Mesh, P, sharded
+
+    mesh = Mesh({"dp": world})
+    e, x = torch.randn(10, 8), torch.zeros(4, 8)
+    step = sharded(
+        lambda e, x, ids: (x + e[ids].sum(0)).sum(),
+        mesh=mesh,
+        in_specs=(P(), P("dp"), P()),
+        out_specs=P(),
+        timeout=20,
+    )
+    out = []
+    bad = torch.tensor([1, 12]) if rank == 1 else torch.tensor([1, 3])  # small CPU values differ
+    for ids in (torch.tensor([1, 2]), bad, torch.tensor([1, 2])):
+        try:
+            step(e, x, ids)
+            out.append("ok")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out

@@ -227,3 +227,11 @@ def test_a_step_that_raised_on_one_rank_leaves_the_group_refusing_collectives():
     assert r0[0].startswith("ShardingError") and "did not complete within 5 s" in r0[0]
     for second in (r0[1], r1[1]):
         assert second.startswith("ShardingError") and "cannot run another collective" in second
+
+
+def test_an_error_before_a_failed_agreement_check_leaves_the_group_usable():
+    r0, r1 = run_distributed(fns.raise_with_different_arguments, 2, timeout=120)
+    assert r0[0] == r1[0] == "ok"
+    assert r0[1].startswith("ShardingError") and "different arguments" in r0[1]
+    assert r1[1].startswith("IndexError")
+    assert r0[2] == r1[2] == "ok"
