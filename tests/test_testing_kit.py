@@ -68,3 +68,12 @@ def test_missing_hypothesis_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 def test_the_users_example_property_tests_run() -> None:
     test_my_model.test_forward_is_sharding_invariant()
     test_my_model.test_gradients_are_sharding_invariant()
+
+
+def test_specs_for_draws_tuples_of_every_length() -> None:
+    """'Every valid spec': a dim split over all three axes of a 3-axis mesh is among the draws."""
+    from hypothesis import find, settings
+
+    mesh = Mesh({"a": 2, "b": 2, "c": 2}, simulate=True)
+    spec = find(specs_for((8,), mesh), lambda s: len(s.axes_of(0)) == 3, settings=settings(max_examples=2000))
+    check_spec((8,), mesh, spec)
