@@ -414,8 +414,10 @@ def _groups(linear: str, operands: list[Node]) -> list[list[int]]:
     return [list(range(n))] if linear == "all" and n else groups
 
 
-def _close(got: Any, a: Any, b: Any, eps: float) -> bool:
-    """got == a + b elementwise, to the precision of the coarsest dtype involved (``eps``)."""
+def _close(got: Any, a: Any, b: Any, eps: float, inputs: float = 0.0) -> bool:
+    """got == a + b elementwise, to the precision of the coarsest dtype involved (``eps``), on the
+    scale of the results and of the ``inputs`` (the largest magnitude among the operands: large
+    operands that cancel, as in ``x - max`` or a centring, round on their own scale)."""
     for g, x, y in zip(*(optree.tree_leaves(v, none_is_leaf=True) for v in (got, a, b)), strict=True):
         if not isinstance(g, torch.Tensor):
             continue
@@ -426,7 +428,7 @@ def _close(got: Any, a: Any, b: Any, eps: float) -> bool:
         tol = max(torch.finfo(g.dtype).eps, eps) * 64
         want = x.double() + y.double()
         err = (g.double() - want).abs()
-        ok = (err <= tol * (x.double().abs() + y.double().abs() + 1)) | (g.double() == want)  # inf == inf
+        ok = (err <= tol * (x.double().abs() + y.double().abs() + inputs + 1)) | (g.double() == want)
         if not bool(ok.all() | want.isnan().any()):
             return False
     return True
@@ -461,7 +463,10 @@ def false_claims(node: Node, env: dict[Node, Any]) -> list[str]:
             for o in moved
         }
         both = _call(node, env, {o: env[o] + other[o] for o in moved})
-        if not _close(both, _call(node, env, {}), _call(node, env, other), _eps([env[o] for o in moved])):
+        scale = max(float((env[o] + other[o]).abs().max()) if env[o].numel() else 0.0 for o in moved)
+        if not _close(
+            both, _call(node, env, {}), _call(node, env, other), _eps([env[o] for o in moved]), scale
+        ):
             bad.append(f"{node.target} rule {rule.text!r} linear={rule.linear} operands {group}")
     for f in sorted(rule.reductions - rule.replicated):
         cuts = {(i, d) for i, dims in enumerate(rule.operands) for d, t in enumerate(dims) if f in t}
