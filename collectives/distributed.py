@@ -8,6 +8,8 @@ largest block and are trimmed on arrival. ``async_op=True`` returns the output b
 ``wait`` completes it (all_gather, reduce_scatter, all_reduce); layouts that need work after arrival
 (uneven, permuted, ``avg``) complete before returning. Even reduce-scatters in c10d order send their
 input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-owned buffer in place.
+Even all-gathers and reduce-scatters on a two-rank gloo group are one point-to-point exchange
+(``pairwise``: faster there than gloo's own collectives, same bytes).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from collectives import accounting
+from collectives import accounting, pairwise
 from shardspec.errors import fail
 from shardspec.layout import chunk_bounds, chunk_sizes
 from shardspec.mesh import Mesh
@@ -168,6 +170,9 @@ def all_gather(
         front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
     out = front.new_empty((g.n * longest, *front.shape[1:]))
     even = all(n == longest for n in lengths)
+    if even and pairwise.usable(g.pg, g.n):
+        exchange = pairwise.all_gather(g.pg, g.by_pos[1 - g.pos], g.pos, front, out)
+        return _issued(exchange, out.movedim(0, dim), async_op)
     work = _all_gather_flat(out, front, group=g.pg, async_op=True)
     if async_op and even and g.identity:
         result = out.movedim(0, dim)
@@ -193,6 +198,10 @@ def reduce_scatter(
     front = _front(x, dim)
     length = front.shape[0]
     block = -(-length // g.n)
+    if length == block * g.n and pairwise.usable(g.pg, g.n):
+        out = front.new_empty((block, *front.shape[1:]))
+        exchange = pairwise.reduce_scatter(g.pg, g.by_pos[1 - g.pos], g.pos, front, out, op)
+        return _issued(exchange, out.movedim(0, dim), async_op)
     if length == block * g.n and g.identity:
         send = front  # blocks already in c10d order and equal: send the input as it is
     else:
@@ -288,6 +297,15 @@ def all_to_all(
         moved = _moved_shape(shapes[grank], split_dim)
         by_pos[g.pos_of_grank[grank]] = blocks[grank].reshape(moved).movedim(0, split_dim)
     return torch.cat(by_pos, concat_dim)
+
+
+def _issued(work: Any, result: torch.Tensor, async_op: bool) -> torch.Tensor:
+    """``result`` once ``work`` completes: at once, or at ``wait(result)`` when async."""
+    if async_op:
+        _pending[result.untyped_storage().data_ptr()] = work
+    else:
+        _finish(work)
+    return result
 
 
 def _size_mismatch(kind: str, dim: int, x: torch.Tensor, lengths: list[int], g: _Group) -> Exception:

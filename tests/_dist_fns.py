@@ -116,6 +116,45 @@ def async_and_p2p(rank: int, world: int) -> dict[str, object]:
     return {"gathered": gathered, "reduced": reduced, "got": got}
 
 
+def pairwise_exchanges(rank: int, world: int) -> dict[str, object]:
+    """Async collectives on two-rank gloo groups with tag-0 point-to-point traffic issued while
+    they are in flight (a one-axis mesh's group is the world group that send/recv use), counting
+    the exchanges posted."""
+    import collectives as C
+    from collectives import pairwise
+    from shardspec import Mesh
+
+    posted = [0]
+    post = pairwise._post
+
+    def counting(*args: object) -> object:
+        posted[0] += 1
+        return post(*args)  # type: ignore[arg-type]
+
+    pairwise._post = counting  # type: ignore[assignment]
+    try:
+        out: dict[str, object] = {}
+        if world == 2:
+            mesh = Mesh({"x": 2})
+            x = torch.arange(6.0).reshape(3, 2) + 10 * rank
+            gathered = C.all_gather(x, dim=1, axis="x", mesh=mesh, async_op=True)
+            scattered = C.reduce_scatter(x.t(), dim=0, axis="x", mesh=mesh, async_op=True)
+            shifted = C.ppermute(torch.full((5,), float(rank)), axis="x", perm=[(0, 1), (1, 0)], mesh=mesh)
+            out.update(gathered=C.wait(gathered), scattered=C.wait(scattered), shifted=shifted)
+        else:
+            mesh = Mesh({"dp": 2, "tp": 2})
+            x = torch.full((4, 2), float(rank))
+            out["dp"] = C.wait(C.all_gather(x, dim=0, axis="dp", mesh=mesh, async_op=True))
+            out["tp"] = C.wait(C.reduce_scatter(x, dim=0, axis="tp", mesh=mesh, op="max", async_op=True))
+            before = posted[0]
+            out["both"] = C.all_gather(x, dim=0, axis=("dp", "tp"), mesh=mesh)
+            out["four_rank_posted"] = posted[0] - before
+        out["posted"] = posted[0]
+        return out
+    finally:
+        pairwise._post = post  # type: ignore[assignment]
+
+
 def review_regressions(rank: int, world: int) -> dict[str, object]:
     """Edge cases found in review: empty gathers, odd strides, p2p over an axis tuple first."""
     import collectives as C

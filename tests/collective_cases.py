@@ -63,6 +63,7 @@ def cases(mesh: Mesh, dtypes: tuple[torch.dtype, ...] = DTYPES) -> list[Case]:
         for op in ("avg", "max", "min"):
             out.append(Case("all_reduce", axes, torch.float32, (3, 5), op=op))
             out.append(Case("reduce_scatter", axes, torch.float32, (5, 7), 1, op=op))
+            out.append(Case("reduce_scatter", axes, torch.float32, (4, 8), 0, op=op))  # even blocks
     return out
 
 

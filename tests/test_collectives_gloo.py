@@ -65,3 +65,24 @@ def test_review_regressions_on_gloo():
         assert torch.equal(r["broadcast"], torch.arange(6.0).reshape(2, 3) + b)
         assert torch.equal(r["ppermute"], torch.arange(6.0).reshape(2, 3) + partner)
         assert "holds 2 along dim 0" in r["size_error"]
+
+
+def test_two_rank_gloo_groups_exchange_point_to_point():
+    """Two-rank gloo groups run all-gather and reduce-scatter as one tagged send/receive pair
+    (faster than gloo's collectives; see collectives/pairwise.py), with other point-to-point
+    traffic on the same group posted while they are in flight; four-rank groups keep c10d's."""
+    r = run_distributed(fns.pairwise_exchanges, 2, timeout=60)
+    x = [torch.arange(6.0).reshape(3, 2) + 10 * rank for rank in range(2)]
+    for rank in range(2):
+        assert torch.equal(r[rank]["gathered"], torch.cat(x, 1))
+        assert torch.equal(r[rank]["scattered"], (x[0] + x[1]).t()[rank : rank + 1])
+        assert torch.equal(r[rank]["shifted"], torch.full((5,), float(1 - rank)))
+        assert r[rank]["posted"] == 2
+    r = run_distributed(fns.pairwise_exchanges, 4, timeout=60)
+    for rank in range(4):  # dp groups {0, 2} {1, 3}; tp groups {0, 1} {2, 3}
+        dp_peers = [rank % 2, rank % 2 + 2]
+        assert torch.equal(r[rank]["dp"], torch.cat([torch.full((4, 2), float(p)) for p in dp_peers]))
+        tp_max = float(rank // 2 * 2 + 1)
+        assert torch.equal(r[rank]["tp"], torch.full((2, 2), tp_max))
+        assert torch.equal(r[rank]["both"], torch.cat([torch.full((4, 2), float(p)) for p in (0, 1, 2, 3)]))
+        assert r[rank]["posted"] == 2 and r[rank]["four_rank_posted"] == 0

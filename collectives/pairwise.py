@@ -1,0 +1,99 @@
+"""Two-rank all-gather and reduce-scatter on gloo as one point-to-point exchange.
+
+Why: on gloo each rank of a two-rank group sends the other exactly one block in either collective, and
+posting that block as a send beside a receive into its place in the output is markedly faster than
+gloo's own collectives on loopback TCP (2 CPU processes: an all-gather of 2 × 2.4 MB 2.4 ms against
+4.3 ms for ``all_gather_into_tensor``, 13 ms against 18 ms at 2 × 13 MB; a reduce-scatter of 9.6 MB
+about half of ``reduce_scatter_tensor``'s 9.2 ms). The bytes each rank sends are the ring formulas'
+(n − 1)/n · S, so accounting is unchanged. Larger groups and NCCL keep c10d's collectives.
+
+The exchange is asynchronous like the collectives it replaces: ``Exchange.wait`` completes both
+directions and then, for a reduce-scatter, adds the received block to this rank's own (the one
+elementwise op gloo would otherwise run in its own thread).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A tag of its own: send/recv and ppermute post tag 0 on the world group, and a pair of ranks in a
+# one-axis mesh exchanges collective blocks on that same group.
+TAG = 0x5EED
+
+_GLOO: dict[int, bool] = {}
+
+
+def usable(pg: Any, n: int) -> bool:
+    """Whether ``pg`` is a two-rank gloo group (NCCL's collectives are its fastest path)."""
+    if n != 2:
+        return False
+    key = id(pg)
+    if key not in _GLOO:
+        _GLOO[key] = dist.get_backend(pg) == "gloo"
+    return _GLOO[key]
+
+
+class Exchange:
+    """Both directions of one exchange in flight; ``wait`` completes them, then runs ``then``."""
+
+    def __init__(self, works: list[Any], then: Callable[[], None] | None, keep: tuple[torch.Tensor, ...]):
+        self._works = works
+        self._then = then
+        self._keep = keep  # the buffers c10d reads or writes until the works complete
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        while self._works:
+            work = self._works[0]
+            work.wait() if timeout is None else work.wait(timeout=timeout)
+            self._works.pop(0)
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        self._keep = ()
+        return True
+
+
+def _post(pg: Any, peer: int, send: torch.Tensor, recv: torch.Tensor) -> list[Any]:
+    ops = [
+        dist.P2POp(dist.isend, send, peer, group=pg, tag=TAG),
+        dist.P2POp(dist.irecv, recv, peer, group=pg, tag=TAG),
+    ]
+    return list(dist.batch_isend_irecv(ops))
+
+
+def all_gather(pg: Any, peer: int, pos: int, front: torch.Tensor, out: torch.Tensor) -> Exchange:
+    """``out`` (2 blocks of ``front``'s length along dim 0, in position order) receives the peer's
+    block; this rank's own is copied into place."""
+    length = front.shape[0]
+    mine, theirs = out[pos * length : (pos + 1) * length], out[(1 - pos) * length : (2 - pos) * length]
+    mine.copy_(front)
+    return Exchange(_post(pg, peer, mine, theirs), None, (mine, theirs))
+
+
+_COMBINE: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+}
+
+
+def reduce_scatter(pg: Any, peer: int, pos: int, front: torch.Tensor, out: torch.Tensor, op: str) -> Exchange:
+    """``out`` (one block: half of ``front`` along dim 0) becomes this rank's half combined with the
+    peer's copy of it; the other half is what this rank sends."""
+    block = out.shape[0]
+    mine = front[pos * block : (pos + 1) * block]
+    send = front[(1 - pos) * block : (2 - pos) * block].contiguous()
+    got = torch.empty_like(out)
+
+    def combine() -> None:
+        _COMBINE[op](mine, got, out=out)
+        if op == "avg":
+            out.div_(2)
+
+    return Exchange(_post(pg, peer, send, got), combine, (send, got, mine))
