@@ -14,6 +14,7 @@ from collectives.distributed import pass_gate
 from compiler import inputs
 from compiler.backend import ResultWrapper, dtensor_type
 from compiler.inductor import runner
+from compiler.passes.held import hold_buckets
 from compiler.pipeline.real import stage_input, stage_results
 from compiler.program import Program
 from shardspec.layout import device_slices
@@ -32,6 +33,7 @@ class _RealPlan:
     digest: int  # of the input shapes and the collective sequence: ranks compare it every call
     wrap: ResultWrapper  # the results' DTensor specs, built on the first call
     shared: _Shared  # results that may share storage with an argument, a constant or each other
+    held: Any  # this rank's program with its all-reduce buckets held between calls (eager backend)
 
 
 def _real_plan(program: Program) -> _RealPlan:
@@ -52,6 +54,7 @@ def _real_plan(program: Program) -> _RealPlan:
             [torch.empty(t.shape, device="meta").stride() for t, _, _ in outs],
         ),
         _aliased_results(program),
+        hold_buckets(program.programs[mesh.rank]),
     )
 
 
@@ -159,7 +162,9 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
         else:
             local.append(_block(t, where, device, own=i in program.donated))
     with torch.no_grad():
-        outs = list(runner(program.programs[mesh.rank], backend)(*local))
+        outs = list(
+            plan.held(*local) if backend == "eager" else runner(program.programs[mesh.rank], backend)(*local)
+        )
         if plan.shared.candidates:
             plan.shared.unshare(outs, local)
     if pp is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from compiler.passes.graph import copy_module, mutates, outputs
+from compiler.passes.graph import aliases_input, copy_module, mutates, outputs
 
 aten = torch.ops.aten
 # functionalization's copy variants whose view counterpart takes the same arguments
@@ -98,21 +98,52 @@ def dense_results(gm: GraphModule) -> GraphModule:
 
 
 def dense_results_(gm: GraphModule) -> None:
+    """Each computed result contiguous; a result that is a small view of a larger buffer the program
+    made (the loss in DP's gradient bucket) a copy of its own, so keeping it (a list of losses)
+    does not keep the whole buffer alive."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     done: dict[Node, Node] = {}
+    copied = _small_views(list(out.all_input_nodes))
 
     def dense(a: object) -> object:
         if not isinstance(a, Node) or a.op != "call_function":
             return a
         if a not in done:
             with gm.graph.inserting_before(out):
-                done[a] = gm.graph.call_function(aten.contiguous.default, (a,))
+                if a in copied:
+                    fmt = {"memory_format": torch.contiguous_format}
+                    done[a] = gm.graph.call_function(aten.clone.default, (a,), fmt)
+                else:
+                    done[a] = gm.graph.call_function(aten.contiguous.default, (a,))
             done[a].meta = dict(a.meta)
         return done[a]
 
     out.args = tuple(
         tuple(dense(a) for a in arg) if isinstance(arg, (tuple, list)) else dense(arg) for arg in out.args
     )
+
+
+def _small_views(results: list[Node]) -> set[Node]:
+    """The results that view a buffer the program computed while all the results viewing it cover
+    less than half of it: returned as views, they would hold the rest of it too."""
+    by_root: dict[Node, list[Node]] = {}
+    for r in dict.fromkeys(results):
+        root = r
+        while root.op == "call_function" and root.all_input_nodes and aliases_input(root):
+            root = root.all_input_nodes[0]
+        if root is not r and root.op == "call_function":
+            by_root.setdefault(root, []).append(r)
+    small: set[Node] = set()
+    for root, views in by_root.items():
+        whole, parts = _numel(root), [_numel(v) for v in views]
+        if whole is not None and None not in parts and 2 * sum(parts) < whole:  # type: ignore[arg-type]
+            small.update(views)
+    return small
+
+
+def _numel(n: Node) -> int | None:
+    v = n.meta.get("val")
+    return v.numel() if isinstance(v, torch.Tensor) else None
 
 
 # ATen CPU kernels that read their tensor operands as dense memory: with a strided view they raise
