@@ -11,6 +11,8 @@ arguments or each other), and the rare storage-level ops (``as_strided``, dtype 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -111,7 +113,7 @@ def dense_results_(gm: GraphModule) -> None:
         if a not in done:
             with gm.graph.inserting_before(out):
                 if a in copied:
-                    fmt = {"memory_format": torch.contiguous_format}
+                    fmt: dict[str, Any] = {"memory_format": torch.contiguous_format}
                     done[a] = gm.graph.call_function(aten.clone.default, (a,), fmt)
                 else:
                     done[a] = gm.graph.call_function(aten.contiguous.default, (a,))
