@@ -1,15 +1,15 @@
 """The torch.distributed backend: c10d collectives on a process group per mesh axis or axis tuple.
 
-Single axes use the DeviceMesh's groups; a tuple of axes gets one group per member set, created on
-first use by every rank in the same order (SPMD guarantees they all get there). c10d orders a group by
-global rank while a tuple of axes orders it by ``Mesh.axis_index`` (first axis major); where the two
-differ the blocks are permuted before sending and after receiving. Uneven shards travel padded to the
-largest block and are trimmed on arrival. ``async_op=True`` returns the output buffer at once and
-``wait`` completes it (all_gather, reduce_scatter, all_reduce); layouts that need work after arrival
-(uneven, permuted, ``avg``) complete before returning. Even reduce-scatters in c10d order send their
-input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-owned buffer in place.
-Even all-gathers and reduce-scatters on a two-rank gloo group are one point-to-point exchange
-(``pairwise``: faster there than gloo's own collectives, same bytes).
+Single axes use the DeviceMesh's groups; a tuple of axes gets one group per member set, created on first
+use by every rank in the same order (SPMD guarantees they all get there). c10d orders a group by global
+rank while a tuple of axes orders it by ``Mesh.axis_index`` (first axis major); where the two differ the
+blocks are permuted before sending and after receiving. Uneven shards travel padded to the largest block
+and are trimmed on arrival. ``async_op=True`` returns the output buffer at once and ``wait`` completes
+it (all_gather, reduce_scatter, all_reduce); layouts that need work after arrival (uneven, permuted,
+``avg``, except a two-rank exchange's) and empty results complete before returning. Even reduce-scatters
+in c10d order send their input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a
+caller-owned buffer in place. Even all-gathers and reduce-scatters on a two-rank gloo group are one
+point-to-point exchange (``pairwise``: faster there than gloo's own collectives, same bytes).
 """
 
 from __future__ import annotations
@@ -175,9 +175,7 @@ def all_gather(
         return _issued(exchange, out.movedim(0, dim), async_op)
     work = _all_gather_flat(out, front, group=g.pg, async_op=True)
     if async_op and even and g.identity:
-        result = out.movedim(0, dim)
-        _pending[result.untyped_storage().data_ptr()] = work
-        return result
+        return _issued(work, out.movedim(0, dim), async_op)
     _finish(work)
     blocks = torch.split(out, longest)
     by_pos = [blocks[grank][: lengths[g.pos_of_grank[grank]]] for grank in range(g.n)]
@@ -218,8 +216,7 @@ def reduce_scatter(
     result = out[: stop - start].movedim(0, dim)
     work = _reduce_scatter_flat(out, send, op=_REDUCE[op], group=g.pg, async_op=True)
     if async_op and op != "avg" and send is front:
-        _pending[out.untyped_storage().data_ptr()] = work
-        return result
+        return _issued(work, result, async_op)
     _finish(work)
     return result / g.n if op == "avg" else result
 
@@ -250,8 +247,7 @@ def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch
         return buf
     work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=True)
     if async_op and op != "avg":
-        _pending[buf.untyped_storage().data_ptr()] = work
-        return buf
+        return _issued(work, buf, async_op)
     _finish(work)
     return buf.div_(g.n) if op == "avg" else buf
 
@@ -301,7 +297,7 @@ def all_to_all(
 
 def _issued(work: Any, result: torch.Tensor, async_op: bool) -> torch.Tensor:
     """``result`` once ``work`` completes: at once, or at ``wait(result)`` when async."""
-    if async_op:
+    if async_op and result.numel():  # pending works are keyed by storage: 0 for every empty one
         _pending[result.untyped_storage().data_ptr()] = work
     else:
         _finish(work)

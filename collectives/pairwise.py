@@ -71,7 +71,8 @@ def all_gather(pg: Any, peer: int, pos: int, front: torch.Tensor, out: torch.Ten
     block; this rank's own is copied into place."""
     length = front.shape[0]
     mine, theirs = out[pos * length : (pos + 1) * length], out[(1 - pos) * length : (2 - pos) * length]
-    mine.copy_(front)
+    with torch.no_grad():
+        mine.copy_(front)
     return Exchange(_post(pg, peer, mine, theirs), None, (mine, theirs))
 
 
@@ -85,15 +86,22 @@ _COMBINE: dict[str, Callable[..., torch.Tensor]] = {
 
 def reduce_scatter(pg: Any, peer: int, pos: int, front: torch.Tensor, out: torch.Tensor, op: str) -> Exchange:
     """``out`` (one block: half of ``front`` along dim 0) becomes this rank's half combined with the
-    peer's copy of it; the other half is what this rank sends."""
+    peer's copy of it; the other half is what this rank sends. Both halves are read now, as the
+    collective would (the caller may write into its input before the wait), and the two blocks are
+    combined in position order (``maximum`` of -0.0 and 0.0 depends on it)."""
     block = out.shape[0]
-    mine = front[pos * block : (pos + 1) * block]
-    send = front[(1 - pos) * block : (2 - pos) * block].contiguous()
+    with torch.no_grad():  # a buffer of this exchange's own, also for an input requiring grad
+        out.copy_(front[pos * block : (pos + 1) * block])
+        send = front[(1 - pos) * block : (2 - pos) * block].clone(memory_format=torch.contiguous_format)
     got = torch.empty_like(out)
 
     def combine() -> None:
-        _COMBINE[op](mine, got, out=out)
+        # written as the collective's data arriving: through ``.data``, so the result's version
+        # (which autograd checks on the collective's output, a view) stays as it was returned
+        dest = out.data
+        first, second = (dest, got) if pos == 0 else (got, dest)
+        _COMBINE[op](first, second, out=dest)
         if op == "avg":
-            out.div_(2)
+            dest.div_(2)
 
-    return Exchange(_post(pg, peer, send, got), combine, (send, got, mine))
+    return Exchange(_post(pg, peer, send, got), combine, (send, got))

@@ -300,7 +300,10 @@ class ShardedFunction:
                     _broken(self.__name__, exc)
                 raise
             finally:  # a program with no collective, or one that raised before its first
-                pass_gate()
+                try:
+                    pass_gate()
+                finally:  # collectives called outside a step wait as c10d does
+                    set_wait_timeout(None)
         return optree.tree_unflatten(program.traced.out_tree, outs)
 
     def _tell_other_ranks_this_one_failed(self) -> None:

@@ -27,11 +27,16 @@ def wait(work: Any, timeout: float, what: str) -> None:
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
+        from collectives.distributed import mark_broken
+
+        # the check stays posted: a late peer's check, or this rank's next collective, would pair with it
+        mark_broken(f"{what} did not complete within {timeout:g} s.")
         raise fail(
             f"{what} did not complete within {timeout:g} s ({exc}). Some rank did not call it, is still "
-            "busy with earlier work, or has died.",
+            "busy with earlier work, or has died. The check stays posted, so this process group cannot "
+            "run another collective.",
             "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` "
-            "around a collective call); raise the timeout for slow ranks.",
+            "around a collective call) and start the job again; raise the timeout for slow ranks.",
         ) from None
 
 

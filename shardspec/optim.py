@@ -63,18 +63,24 @@ class SGD:
     lr: float
     momentum: float = 0.0
 
+    @property
+    def _buffered(self) -> bool:
+        """Whether the state holds a momentum buffer: a tensor momentum always does, so that no
+        step reads its value to decide (inside ``@sharded`` that read would be an error)."""
+        return isinstance(self.momentum, torch.Tensor) or bool(self.momentum)
+
     def init(self, params: Any) -> dict[str, Any]:
-        return {"momentum": _map(torch.zeros_like, params)} if self.momentum else {}
+        return {"momentum": _map(torch.zeros_like, params)} if self._buffered else {}
 
     def state_specs(self, param_specs: Any) -> dict[str, Any]:
-        return {"momentum": param_specs} if self.momentum else {}
+        return {"momentum": param_specs} if self._buffered else {}
 
     def update(self, grads: Any, state: dict[str, Any], params: Any) -> tuple[Any, dict[str, Any]]:
-        _check_state(self, state, ("momentum",) if self.momentum else ())
+        _check_state(self, state, ("momentum",) if self._buffered else ())
         _check_trees(
-            self, params, grads=grads, **({"state['momentum']": state["momentum"]} if self.momentum else {})
+            self, params, grads=grads, **({"state['momentum']": state["momentum"]} if self._buffered else {})
         )
-        if self.momentum:
+        if self._buffered:
             buf = _map(lambda b, g: self.momentum * b + g, state["momentum"], grads)
             return _map(lambda p, b: p - self.lr * b, params, buf), {"momentum": buf}
         return _map(lambda p, g: p - self.lr * g, params, grads), {}

@@ -147,6 +147,29 @@ def raise_then_call_again(rank: int, world: int) -> list[str]:
     return out
 
 
+def late_for_the_agreement_check(rank: int, world: int) -> list[str]:
+    """Rank 1 comes to the second call after the step's timeout: rank 0's agreement check times out
+    and stays posted, so rank 0's retry must be refused at once, not wait out the timeout again
+    (nor pair with rank 1's late check)."""
+    from shardspec import Mesh, P, sharded
+
+    mesh = Mesh({"dp": world})
+    step = sharded(lambda w: w * 2, mesh=mesh, in_specs=(P(),), out_specs=P(), timeout=1.0)
+    step(torch.ones(2))
+    out = []
+    if rank == 1:
+        time.sleep(2.5)
+        return out
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            step(torch.ones(2))
+            out.append("ok")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc} ({time.monotonic() - t0:.1f} s)")
+    return out
+
+
 def raise_with_different_arguments(rank: int, world: int) -> list[str]:
     """Rank 1 passes other ids (so the call's agreement check fails on every rank) and its own
     are out of range: its error comes before the check completes. Nothing is left waiting, so the

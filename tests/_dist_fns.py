@@ -155,6 +155,37 @@ def pairwise_exchanges(rank: int, world: int) -> dict[str, object]:
         pairwise._post = post  # type: ignore[assignment]
 
 
+def pairwise_edges(rank: int, world: int) -> dict[str, object]:
+    """Two-rank exchanges at their edges: the input written into before the wait, empty results in
+    flight together, inputs requiring grad, signed zeros under max; then a plain collective after a
+    step with a short timeout, reached late by one rank."""
+    import collectives as C
+    from shardspec import Mesh, P, sharded
+
+    mesh = Mesh({"x": 2})
+    out: dict[str, object] = {}
+    x = torch.arange(8.0) + 100 * rank
+    pending = C.reduce_scatter(x, dim=0, axis="x", mesh=mesh, async_op=True)
+    x.zero_()  # read at issue, as the collective's input
+    out["written_after_issue"] = C.wait(pending)
+    a = C.all_gather(torch.zeros(2, 0), dim=0, axis="x", mesh=mesh, async_op=True)
+    c = C.reduce_scatter(torch.zeros(4, 0), dim=0, axis="x", mesh=mesh, async_op=True)
+    out["empty"] = (tuple(C.wait(a).shape), tuple(C.wait(c).shape))
+    w = torch.ones(4, requires_grad=True)
+    out["grad_inputs"] = (
+        C.wait(C.all_gather(w, dim=0, axis="x", mesh=mesh, async_op=True)).detach(),
+        C.wait(C.reduce_scatter(w, dim=0, axis="x", mesh=mesh, async_op=True)).detach(),
+    )
+    z = torch.tensor([-0.0, 0.0, 0.0, -0.0]) if rank == 0 else torch.tensor([0.0, -0.0, -0.0, 0.0])
+    out["max_zeros"] = C.reduce_scatter(z, dim=0, axis="x", mesh=mesh, op="max")
+    step = sharded(lambda t: t * 2, mesh=mesh, in_specs=(P(),), out_specs=P(), timeout=1.0)
+    step(torch.ones(2))
+    if rank == 1:
+        time.sleep(2.0)  # longer than the step's timeout, which ended with the step
+    out["after_step"] = C.all_gather(torch.full((1,), float(rank)), dim=0, axis="x", mesh=mesh)
+    return out
+
+
 def review_regressions(rank: int, world: int) -> dict[str, object]:
     """Edge cases found in review: empty gathers, odd strides, p2p over an axis tuple first."""
     import collectives as C

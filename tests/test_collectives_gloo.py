@@ -86,3 +86,19 @@ def test_two_rank_gloo_groups_exchange_point_to_point():
         assert torch.equal(r[rank]["tp"], torch.full((2, 2), tp_max))
         assert torch.equal(r[rank]["both"], torch.cat([torch.full((4, 2), float(p)) for p in (0, 1, 2, 3)]))
         assert r[rank]["posted"] == 2 and r[rank]["four_rank_posted"] == 0
+
+
+def test_two_rank_exchanges_at_their_edges():
+    r = run_distributed(fns.pairwise_edges, 2, timeout=60)
+    total = 2 * torch.arange(8.0) + 100
+    for rank in range(2):
+        assert torch.equal(r[rank]["written_after_issue"], total[4 * rank : 4 * rank + 4])
+        assert r[rank]["empty"] == ((4, 0), (2, 0))
+        gathered, scattered = r[rank]["grad_inputs"]
+        assert torch.equal(gathered, torch.ones(8)) and torch.equal(scattered, torch.full((2,), 2.0))
+        assert torch.equal(r[rank]["after_step"], torch.tensor([0.0, 1.0]))
+    # max in position order, as the simulated mesh combines: torch.maximum(-0.0, 0.0) is -0.0
+    zeros = [torch.tensor([-0.0, 0.0, 0.0, -0.0]), torch.tensor([0.0, -0.0, -0.0, 0.0])]
+    want = torch.maximum(zeros[0], zeros[1])
+    got = torch.cat([r[0]["max_zeros"], r[1]["max_zeros"]])
+    assert torch.equal(torch.signbit(got), torch.signbit(want))

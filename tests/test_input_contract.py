@@ -229,6 +229,15 @@ def test_a_step_that_raised_on_one_rank_leaves_the_group_refusing_collectives():
         assert second.startswith("ShardingError") and "cannot run another collective" in second
 
 
+@pytest.mark.multiprocess
+def test_a_timed_out_agreement_check_leaves_the_group_unusable():
+    r0, _ = run_distributed(fns.late_for_the_agreement_check, 2, timeout=60)
+    assert r0[0].startswith("ShardingError") and "did not complete within 1 s" in r0[0], r0[0]
+    assert "stays posted" in r0[0]
+    assert r0[1].startswith("ShardingError") and "cannot run another collective" in r0[1], r0[1]
+    assert r0[1].endswith("(0.0 s)"), r0[1]  # refused at once
+
+
 def test_an_error_before_a_failed_agreement_check_leaves_the_group_usable():
     r0, r1 = run_distributed(fns.raise_with_different_arguments, 2, timeout=120)
     assert r0[0] == r1[0] == "ok"

@@ -61,6 +61,28 @@ def test_an_sgd_learning_rate_passed_as_a_tensor_reaches_the_update_inside_the_s
     assert len(f._cache) == 1
 
 
+def test_an_sgd_momentum_passed_as_a_tensor_matches_the_float_one_inside_the_step():
+    """Whether the state holds a momentum buffer is decided without reading the tensor's value
+    (inside a step that read is an error)."""
+    from shardspec import Mesh, P, sharded
+
+    params, grads = {"w": torch.randn(4, 3)}, {"w": torch.randn(4, 3)}
+    buf = {"w": torch.randn(4, 3)}
+
+    def step(p, g, b, momentum):
+        return optim.sgd(lr=0.1, momentum=momentum).update(g, {"momentum": b}, p)
+
+    f = sharded(
+        step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"),) * 3 + (P(),), out_specs=P("dp")
+    )
+    for m in (0.9, 0.0):
+        got = f(params, grads, buf, torch.tensor(m))
+        want = optim.sgd(lr=0.1, momentum=m).update(grads, {"momentum": buf} if m else {}, params)
+        torch.testing.assert_close(got[0]["w"], want[0]["w"])
+        torch.testing.assert_close(got[1]["momentum"]["w"], m * buf["w"] + grads["w"])
+    assert optim.sgd(lr=0.1, momentum=torch.tensor(0.0)).state_specs({"w": P()}) == {"momentum": {"w": P()}}
+
+
 def test_an_adamw_learning_rate_passed_as_a_tensor_matches_the_float_one_with_and_without_donation():
     """The one-node update takes a float lr; a tensor lr (a schedule's value) takes the same formula
     in plain ops (another rounding order: equal within a few float32 ulps), traced once for every
