@@ -368,3 +368,50 @@ _EXTRA_DECOMPOSITIONS[aten.is_same_size.default] = lambda a, b: tuple(a.shape) =
 _EXTRA_DECOMPOSITIONS[aten._has_same_storage_numel.default] = lambda a, b: (
     a.untyped_storage().nbytes() // a.element_size() == b.untyped_storage().nbytes() // b.element_size()
 )
+
+
+def _foreach(target: Any, base: Any, inplace: bool) -> Callable[..., Any]:
+    """``_foreach_<op>`` as ``<op>`` per tensor: each list argument (tensors or scalars) indexed,
+    every other argument passed whole (by name where ``<op>`` takes it keyword-only, as addcmul's
+    ``value``). One node per tensor, each with its op's rule (the fused multi-tensor kernel has
+    none, and its tensors may lie in different layouts)."""
+    names = [a.name for a in target._schema.arguments]
+    positional = max(
+        sum(1 for a in getattr(base, o)._schema.arguments if not a.kwarg_only) for o in base.overloads()
+    )
+
+    # maximum and minimum take no Scalar: the number as a 0-dim tensor of the tensor's dtype
+    scalar_as_tensor = base.__name__.rstrip("_") in ("maximum", "minimum")
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+        named = {names[i]: args[i] for i in range(positional, len(args))} | kwargs
+        out = []
+        for j in range(len(args[lists[0]])):
+            call = [a[j] if i in lists else a for i, a in enumerate(args[:positional])]
+            if scalar_as_tensor and not isinstance(call[1], torch.Tensor):
+                call[1] = torch.scalar_tensor(call[1], dtype=call[0].dtype, device=call[0].device)
+            out.append(base(*call, **named))
+        return None if inplace else out
+
+    return run
+
+
+def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:
+    table: dict[Any, Callable[..., Any]] = {}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::_foreach_"):
+            continue
+        name, _, overload = qualified[len("aten::") :].partition(".")
+        if overload.endswith("out"):
+            continue
+        op = name[len("_foreach_") :]
+        base = getattr(aten, {"norm": "linalg_vector_norm"}.get(op, op), None)
+        packet = getattr(aten, name, None)
+        target = getattr(packet, overload or "default", None) if packet is not None else None
+        if base is not None and target is not None:
+            table[target] = _foreach(target, base, inplace=op.endswith("_"))
+    return table
+
+
+_EXTRA_DECOMPOSITIONS.update(_foreach_decompositions())

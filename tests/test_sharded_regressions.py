@@ -1064,3 +1064,24 @@ def test_conv_bias_gradient_with_output_channels_split_and_the_batch_split(trans
         w, b, x
     )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_foreach_ops_run_per_tensor_with_each_layout() -> None:
+    """torch._foreach_* (hand-written multi-tensor optimizers, get_total_norm(foreach=True)) had no
+    rule; each is traced as its op per tensor, so tensors of different layouts in one list work."""
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> Any:
+        x = torch._foreach_mul([a, b], 2.0)
+        y = torch._foreach_add(x, [b, a], alpha=0.5)
+        z = torch._foreach_lerp(y, [a, b], 0.3)
+        w = torch._foreach_addcmul(z, [a, b], [b, a], value=0.1)  # value: keyword-only in addcmul
+        torch._foreach_mul_(w, 3.0)
+        m = torch._foreach_maximum(w, 0.0)  # maximum takes no Scalar
+        norms = torch._foreach_norm(z)
+        return torch.stack(norms), m[0], m[1], torch.nn.utils.get_total_norm([a, b], foreach=True)
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
+    f = sharded(step, mesh=mesh, in_specs=(P("dp", "tp"), P(None, "dp")), out_specs=(P(), P("dp"), P(), P()))
+    torch.testing.assert_close(f(a, b), step(a, b))
