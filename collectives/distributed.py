@@ -6,10 +6,11 @@ rank while a tuple of axes orders it by ``Mesh.axis_index`` (first axis major); 
 blocks are permuted before sending and after receiving. Uneven shards travel padded to the largest block
 and are trimmed on arrival. ``async_op=True`` returns the output buffer at once and ``wait`` completes
 it (all_gather, reduce_scatter, all_reduce); layouts that need work after arrival (uneven, permuted,
-``avg``, except a two-rank exchange's) and empty results complete before returning. Even reduce-scatters
-in c10d order send their input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a
-caller-owned buffer in place. Even all-gathers and reduce-scatters on a two-rank gloo group are one
-point-to-point exchange (``pairwise``: faster there than gloo's own collectives, same bytes).
+``avg``, except a two-rank exchange's), results along a dim other than 0 (returned dense, as the fake
+collectives' are) and empty results complete before returning. Even reduce-scatters in c10d order send
+their input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-owned buffer in
+place. Even all-gathers and reduce-scatters on a two-rank gloo group are one point-to-point exchange
+(``pairwise``: faster there than gloo's own collectives, same bytes).
 """
 
 from __future__ import annotations
@@ -172,15 +173,22 @@ def all_gather(
     even = all(n == longest for n in lengths)
     if even and pairwise.usable(g.pg, g.n):
         exchange = pairwise.all_gather(g.pg, g.by_pos[1 - g.pos], g.pos, front, out)
-        return _issued(exchange, out.movedim(0, dim), async_op)
+        return _dense(_issued(exchange, out, async_op and dim == 0), dim)
     work = _all_gather_flat(out, front, group=g.pg, async_op=True)
-    if async_op and even and g.identity:
-        return _issued(work, out.movedim(0, dim), async_op)
+    if async_op and even and g.identity and dim == 0:
+        return _issued(work, out, async_op)
     _finish(work)
     blocks = torch.split(out, longest)
     by_pos = [blocks[grank][: lengths[g.pos_of_grank[grank]]] for grank in range(g.n)]
     ordered = [by_pos[g.pos_of_grank.index(p)] for p in range(g.n)]
-    return torch.cat(ordered).movedim(0, dim)
+    return _dense(torch.cat(ordered), dim)
+
+
+def _dense(front: torch.Tensor, dim: int) -> torch.Tensor:
+    """``front`` (gathered or scattered along dim 0) with that dim moved back to ``dim``, dense: the
+    strides the program was compiled for (its fake values are dense), which the passes read to give
+    fused kernels dense rows. Along another dim than 0 the collective completes first."""
+    return front if dim == 0 else front.movedim(0, dim).contiguous()
 
 
 @_gated
@@ -199,7 +207,7 @@ def reduce_scatter(
     if length == block * g.n and pairwise.usable(g.pg, g.n):
         out = front.new_empty((block, *front.shape[1:]))
         exchange = pairwise.reduce_scatter(g.pg, g.by_pos[1 - g.pos], g.pos, front, out, op)
-        return _issued(exchange, out.movedim(0, dim), async_op)
+        return _dense(_issued(exchange, out, async_op and dim == 0), dim)
     if length == block * g.n and g.identity:
         send = front  # blocks already in c10d order and equal: send the input as it is
     else:
@@ -213,12 +221,12 @@ def reduce_scatter(
         send = torch.cat(pieces)
     out = front.new_empty((block, *front.shape[1:]))
     start, stop = chunk_bounds(length, g.n, g.pos)
-    result = out[: stop - start].movedim(0, dim)
+    result = out[: stop - start]
     work = _reduce_scatter_flat(out, send, op=_REDUCE[op], group=g.pg, async_op=True)
-    if async_op and op != "avg" and send is front:
+    if async_op and op != "avg" and send is front and dim == 0:
         return _issued(work, result, async_op)
     _finish(work)
-    return result / g.n if op == "avg" else result
+    return _dense(result / g.n if op == "avg" else result, dim)
 
 
 @_gated

@@ -156,7 +156,8 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
             held = reads is None or i in reads  # else another pipeline stage's value
             # the local block itself: to_local()'s autograd Function (~13 µs a call, ~160 calls a
             # GPT step) only matters for gradients, and a step's arguments never require grad
-            local.append(t._local_tensor if held else torch.empty(0, dtype=t.dtype))
+            # dense, as the program was compiled for (a no-op for the usual dense block)
+            local.append(t._local_tensor.contiguous() if held else torch.empty(0, dtype=t.dtype))
         elif reads is not None and i not in reads:  # another pipeline stage's value: not held here
             local.append(torch.empty(0, dtype=t.dtype))
         else:

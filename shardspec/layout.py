@@ -104,7 +104,10 @@ def shard(x: torch.Tensor, mesh: Mesh, spec: P, *, name: str = "x") -> list[torc
             "convert it first: shard(torch.as_tensor(x), mesh, spec).",
         )
     check_spec(tuple(x.shape), mesh, spec, name=name)
-    return [x[device_slices(x.shape, mesh, spec, r)].clone() for r in range(mesh.size)]
+    # dense pieces, whatever ``x``'s strides: a step's program is compiled for dense blocks (its
+    # fused kernels read rows as dense memory) and is cached by shape, not strides
+    fmt = torch.contiguous_format
+    return [x[device_slices(x.shape, mesh, spec, r)].clone(memory_format=fmt) for r in range(mesh.size)]
 
 
 def global_shape(pieces: Sequence[torch.Tensor], mesh: Mesh, spec: P) -> tuple[int, ...]:

@@ -186,6 +186,46 @@ def pairwise_edges(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+def attention_after_last_dim_gathers(rank: int, world: int) -> list[float]:
+    """Fused CPU attention reading operands all-gathered along their last dim (a head-dim split; a
+    column-parallel qkv split into q, k, v): |sharded - eager| per result. The real all-gather
+    returned a strided view where the compiled program expected dense rows."""
+    import optree
+    import torch.nn.functional as F
+
+    import shardspec
+    from shardspec import Mesh, P, sharded
+
+    mesh = Mesh({"tp": world})
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 4, generator=g) for _ in range(3))
+    head_dim = P(None, None, None, "tp")
+    attend = sharded(F.scaled_dot_product_attention, mesh=mesh, in_specs=(head_dim,) * 3, out_specs=P())
+    errors = [float((attend(q, k, v).full_tensor() - F.scaled_dot_product_attention(q, k, v)).abs().max())]
+    b, t, d, heads = 2, 4, 8, 2
+    params = {
+        "c_attn": torch.randn(3 * d, d, generator=g) * 0.3,
+        "c_proj": torch.randn(d, d, generator=g) * 0.3,
+    }
+    x = torch.randn(b, t, d, generator=g)
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        q, k, v = F.linear(x, p["c_attn"]).split(d, dim=2)
+        q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.linear(y.transpose(1, 2).reshape(b, t, d), p["c_proj"])
+        return (y * y).mean()
+
+    def step(p: dict[str, torch.Tensor], x: torch.Tensor) -> object:
+        return shardspec.value_and_grad(loss)(p, x)
+
+    specs = {"c_attn": P("tp"), "c_proj": P(None, "tp")}
+    got = sharded(step, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs))(params, x)
+    for a, w in zip(optree.tree_leaves(got), optree.tree_leaves(step(params, x)), strict=True):
+        errors.append(float((a.full_tensor() - w).abs().max()))
+    return errors
+
+
 def review_regressions(rank: int, world: int) -> dict[str, object]:
     """Edge cases found in review: empty gathers, odd strides, p2p over an axis tuple first."""
     import collectives as C

@@ -102,3 +102,10 @@ def test_two_rank_exchanges_at_their_edges():
     want = torch.maximum(zeros[0], zeros[1])
     got = torch.cat([r[0]["max_zeros"], r[1]["max_zeros"]])
     assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def test_fused_attention_after_last_dim_gathers_on_gloo():
+    """A real gather along a dim other than 0 returns dense memory, as the compiled program (and the
+    fake and simulated collectives) expect: fused attention read strided rows as dense (garbage)."""
+    for errors in run_distributed(fns.attention_after_last_dim_gathers, 2, timeout=120):
+        assert max(errors) < 1e-6, errors

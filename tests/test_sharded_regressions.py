@@ -1085,3 +1085,21 @@ def test_foreach_ops_run_per_tensor_with_each_layout() -> None:
     mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
     f = sharded(step, mesh=mesh, in_specs=(P("dp", "tp"), P(None, "dp")), out_specs=(P(), P("dp"), P(), P()))
     torch.testing.assert_close(f(a, b), step(a, b))
+
+
+@pytest.mark.parametrize("spec", [P(), P("dp")])
+def test_a_strided_argument_after_a_dense_one_reaches_the_cached_program_dense(spec: P) -> None:
+    """The program is cached by shape and compiled for dense blocks: a same-shape argument whose
+    last dim is strided (q.mT.contiguous().mT, unbind(-1)) was fed as it was to the flash kernel."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 6, generator=g) for _ in range(3))
+    step = sharded(
+        F.scaled_dot_product_attention,
+        mesh=Mesh({"dp": 2}, simulate=True),
+        in_specs=(spec,) * 3,
+        out_specs=P(),
+    )
+    step(q, k, v)
+    torch.testing.assert_close(step(q.mT.contiguous().mT, k, v), F.scaled_dot_product_attention(q, k, v))
