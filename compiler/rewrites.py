@@ -113,9 +113,22 @@ def sdpa_math(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """scaled_dot_product_attention in plain ops (no dropout)."""
+    """scaled_dot_product_attention in plain ops (no dropout). As eager: a mask is bool, fp32 or the
+    query's dtype (anything else raises torch's error), and half precision on the CPU computes in
+    fp32, rounding the result once (ATen's CPU kernels upcast too)."""
     if dropout_p > 0:
         raise _dropout_error(f"scaled_dot_product_attention(dropout_p={dropout_p})")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(
+            "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+            f"attn_mask.dtype: {attn_mask.dtype} and  query.dtype: {query.dtype} instead."
+        )
+    half = (torch.float16, torch.bfloat16)
+    if query.device.type == "cpu" and query.dtype in half and key.dtype == value.dtype == query.dtype:
+        floats = [t.float() for t in (query, key, value)]
+        mask = attn_mask.float() if attn_mask is not None and attn_mask.dtype in half else attn_mask
+        out = sdpa_math(*floats, mask, 0.0, is_causal, scale, enable_gqa)
+        return out.to(query.dtype)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)
@@ -130,7 +143,7 @@ def sdpa_math(
         scores = (
             scores.masked_fill(~attn_mask, float("-inf"))
             if attn_mask.dtype == torch.bool
-            else scores + attn_mask
+            else scores + attn_mask.to(scores.dtype)  # an fp32 bias on half scores: the scores' dtype
         )
         # torch's safe softmax: a query row whose every key is masked attends to nothing (zeros, and
         # zero gradients), not NaN; its scores are zeroed first so the softmax and its backward stay finite

@@ -1103,3 +1103,31 @@ def test_a_strided_argument_after_a_dense_one_reaches_the_cached_program_dense(s
     )
     step(q, k, v)
     torch.testing.assert_close(step(q.mT.contiguous().mT, k, v), F.scaled_dot_product_attention(q, k, v))
+
+
+def test_masked_half_precision_attention_computes_in_fp32_and_checks_the_mask_dtype_as_eager() -> None:
+    """A mask sends SDPA to plain ops: in bf16/fp16 they ran in half precision (5-8x eager's error;
+    ATen's CPU kernels upcast), an fp32 bias on bf16 scores crashed, and an int64 mask (which eager
+    refuses) was added as a bias."""
+    import torch.nn.functional as F
+
+    mesh = Mesh({"dp": 2}, simulate=True)
+    g = torch.Generator().manual_seed(0)
+    q64 = torch.randn(2, 2, 64, 16, generator=g, dtype=torch.float64)
+    keep = torch.rand(64, 64, generator=g) > 0.3
+    bias = torch.randn(64, 64, generator=g)
+
+    def attend(q: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+
+    f = sharded(attend, mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    for dtype in (torch.bfloat16, torch.float16):
+        q = q64.to(dtype)
+        for mask in (keep, bias, bias.to(dtype)):
+            exact = attend(q.double(), mask.double() if mask.is_floating_point() else mask)
+            eager_error = (attend(q, mask).double() - exact).abs().max()
+            got = f(q, mask)
+            assert got.dtype == dtype
+            assert (got.double() - exact).abs().max() <= 1.5 * eager_error
+    with pytest.raises(RuntimeError, match="Expected attn_mask dtype to be bool or float"):
+        f(q64.float(), keep.long())
