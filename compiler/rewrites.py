@@ -125,9 +125,8 @@ def sdpa_math(
         )
     half = (torch.float16, torch.bfloat16)
     if query.device.type == "cpu" and query.dtype in half and key.dtype == value.dtype == query.dtype:
-        floats = [t.float() for t in (query, key, value)]
         mask = attn_mask.float() if attn_mask is not None and attn_mask.dtype in half else attn_mask
-        out = sdpa_math(*floats, mask, 0.0, is_causal, scale, enable_gqa)
+        out = sdpa_math(query.float(), key.float(), value.float(), mask, 0.0, is_causal, scale, enable_gqa)
         return out.to(query.dtype)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]

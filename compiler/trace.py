@@ -137,8 +137,11 @@ def trace(fn: Callable[..., Any], args: tuple[Any, ...]) -> Traced:
                 )
         return list(out_leaves)
 
+    from compiler.passes.graph import quiet_fake_errors
+
     try:
-        module = _functional_graph(flat_fn, distinct, fn)
+        with quiet_fake_errors():  # an op failing on fake tensors is raised below, with the line
+            module = _functional_graph(flat_fn, distinct, fn)
     except ShardingError:
         raise
     except Exception as exc:
@@ -301,3 +304,5 @@ def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
             "(x.index_select(0, i.reshape(1)), torch.gather), or write the op from ops that do not "
             "read values.",
         ) from None
+    if where != "<unknown line>":  # torch's own error (a shape mistake), raised on fake tensors
+        exc.add_note(f"raised while tracing {name}, at {where}")

@@ -153,3 +153,20 @@ def test_nested_step_with_a_bad_in_spec_names_that_step_not_a_constrain():
     outer = sharded(lambda x: inner(x) + 1, mesh=mesh, in_specs=(P("dp"),), out_specs=P("dp"))
     with pytest.raises(ShardingError, match=r"^inner_step: x: spec P\('tp'\) names mesh axis 'tp'"):
         outer(torch.randn(4, 3))
+
+
+def test_a_shape_mistake_inside_the_step_names_its_line_without_a_logged_traceback(caplog):
+    """torch's own error on fake tensors (a matmul of mismatched shapes) is raised as it is, with a
+    note naming the user's line; fake-tensor propagation's ERROR log of it (a screenful of torch
+    internals on stderr) is not emitted."""
+    import logging
+
+    def step(q):
+        return q @ torch.ones(3, 3)
+
+    f = sharded(step, mesh=Mesh({"dp": 2}, simulate=True), in_specs=(P("dp"),), out_specs=P("dp"))
+    with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError) as info:
+        f(torch.randn(4, 8))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "raised while tracing step" in notes and "return q @ torch.ones(3, 3)" in notes, notes
+    assert not [r for r in caplog.records if "fake_tensor" in r.name], caplog.records
