@@ -346,16 +346,16 @@ def render(
         " node's fake value gives back 0.1 MiB of resident memory: the rest is heap pages that the"
         " compile's transient objects left partly used, which neither Python's allocator nor glibc's"
         " returns to the system.",
-        "- DP's `step` is larger than DDP's although its live tensors (`predicted`) are not: DDP keeps"
-        " its gradients and buckets allocated between steps (in its `held`), ours are allocated in the"
-        " step, and once the step has freed its 12.7 MB gradient bucket glibc serves every smaller"
-        " tensor from its heap (its mmap threshold rises to the largest block freed), where the"
-        " activations' freed blocks fragment. Two remedies were measured on the d 256 GPT and not"
-        " adopted: keeping the bucket between steps, as DDP does, moved it from `step` to `held`"
-        " without lowering the sum (92.1 and 92.7 MiB); a fixed 128 KiB mmap threshold"
-        " (`MALLOC_MMAP_THRESHOLD_=131072`, both sides) gave 69.3 MiB against DDP's 70.8 and 71.3 but"
-        " page-faults every large tensor anew each step: 105 to 167 ms per step ours, 107 to 151 ms"
-        " DDP's (`python -m benchmarks.compare --world 2 --strategies dp`, with and without the setting).",
+        "- DP's `step` is larger than DDP's although its live tensors (`predicted`) are not. On a real"
+        " mesh its gradient bucket is held between calls, as DDP holds its buckets (so it is in `held`;"
+        " `compiler/passes/held.py`): allocated afresh each step, the freed 12.7 MB bucket raised"
+        " glibc's mmap threshold, after which every smaller tensor came from a heap that fragmented"
+        " (101.42 MiB against DDP's 84.00 before, the d 256 row). What remains is the step's transient"
+        " buffers: each weight's gradient is computed into a buffer of its own and copied into the"
+        " bucket, where DDP accumulates into `.grad` tensors it keeps between steps. A fixed 128 KiB"
+        " mmap threshold (`MALLOC_MMAP_THRESHOLD_=131072`, both sides) measured 69.3 MiB against DDP's"
+        " 70.8 and 71.3 before the bucket was held, but page-faults every large tensor anew each step"
+        " (105 to 167 ms per step ours, 107 to 151 ms DDP's), so it is not set.",
     ]
     return "\n".join(lines) + "\n"
 
