@@ -24,7 +24,7 @@ import optree
 import torch
 
 from compiler.trace import arg_names, path_str
-from shardspec.agree import digest, disagreeing, groups, start_disagreeing
+from shardspec.agree import check_group, digest, disagreeing, groups, start_disagreeing
 from shardspec.errors import fail
 from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
@@ -175,24 +175,79 @@ FAILED = -1  # the program number a rank whose compile raised sends in the agree
 
 
 def start_same_call(
-    key: tuple[Any, ...], identity: str, program: int, name: str, timeout: float, values: int = 0
+    key: tuple[Any, ...],
+    identity: str,
+    program: int,
+    name: str,
+    timeout: float,
+    values: int = 0,
+    describe: Callable[[], list[tuple[str, str]]] | None = None,
 ) -> Callable[[], None]:
     """``check_same_call`` issued now and completed by the returned function: the runtime completes
     it before the step's first collective, so the check's round trip overlaps the compute before it
     (the forward, for data parallelism) instead of adding to every call. ``values``: a digest of
-    values that change between calls (``small_values``), kept out of the remembered key digest."""
+    values that change between calls (``small_values``), kept out of the remembered key digest.
+    ``describe``: the call's arguments as (path, description) pairs, exchanged only when the ranks'
+    arguments differ, to name which."""
     mine = torch.tensor([digest(identity), _key_digest(key) ^ values, program], dtype=torch.int64)
     pending = start_disagreeing(mine, timeout, f"the rank-agreement check at the start of {name}(...)")
 
     def finish() -> None:
         everyone = pending()
         if everyone:
-            _differing_calls(everyone, name)
+            _differing_calls(everyone, name, describe)
 
     return finish
 
 
-def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
+def describe_call(fn: Any, args: tuple[Any, ...], ambient: tuple[Any, ...]) -> list[tuple[str, str]]:
+    """(path, what the rank passed there) per argument leaf, plus what else keys the call
+    (``ambient``: default dtype, autocast, the modules' train/eval flags)."""
+    from torch.distributed.tensor import DTensor
+
+    names = arg_names(fn, len(args))
+    out = []
+    paths, leaves, _ = optree.tree_flatten_with_path(cast(Any, args), none_is_leaf=False)
+    for path, leaf in zip(paths, leaves, strict=True):
+        where = path_str(names[path[0]], path[1:])
+        if isinstance(leaf, DTensor):
+            text = f"a DTensor {tuple(leaf.shape)} {leaf.dtype} placed {tuple(leaf.placements)}"
+        elif isinstance(leaf, torch.Tensor):
+            text = f"a tensor {tuple(leaf.shape)} {leaf.dtype}"
+            if leaf.numel() <= SMALL and leaf.device.type == "cpu":
+                text += f" holding {leaf.reshape(-1).tolist()}"
+        else:
+            text = repr(leaf)
+        out.append((where, text))
+    out.append(("(the default dtype, autocast and the nn.Modules' train/eval flags)", repr(ambient)))
+    return out
+
+
+def _named_differences(describe: Callable[[], list[tuple[str, str]]] | None) -> str:
+    """Which arguments differ between ranks, each with what the rank groups passed (every rank
+    reaches this together, after the agreement check found their calls differ)."""
+    import torch.distributed as dist
+
+    if describe is None:
+        return ""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(describe()), group=check_group())
+    paths = list(dict.fromkeys(p for d in everyone for p in d))
+    lines = []
+    for p in paths:
+        seen = [d.get(p, "nothing") for d in everyone]
+        if len(set(seen)) > 1:
+            ranks: dict[str, list[int]] = {}
+            for r, text in enumerate(seen):
+                ranks.setdefault(text, []).append(r)
+            lines.append(f"{p}: " + "; ".join(f"ranks {rs} {text}" for text, rs in ranks.items()))
+    shown = lines[:3] + ([f"and {len(lines) - 3} more"] if len(lines) > 3 else [])
+    return (" Differing: " + " | ".join(shown) + ".") if shown else ""
+
+
+def _differing_calls(
+    everyone: list[torch.Tensor], name: str, describe: Callable[[], list[tuple[str, str]]] | None = None
+) -> None:
     failed = [r for r, v in enumerate(everyone) if int(v[2]) == FAILED]
     if failed:
         raise fail(
@@ -213,8 +268,9 @@ def _differing_calls(everyone: list[torch.Tensor], name: str) -> None:
         f"values baked into the step, such as a learning rate a closure captured, differ): rank groups "
         f"{ranks}",
     )[which]
+    named = _named_differences(describe) if which == 1 else ""
     raise fail(
-        f"{what}. Running would hang or compute wrong results.",
+        f"{what}.{named} Running would hang or compute wrong results.",
         "call the same steps in the same order on every rank, with the same shapes and Python values "
         "(e.g. lr), and no rank-dependent branches inside the step; rank-local data goes in through "
         "shardspec.from_local. With AUTO specs or cost_model=, a rank whose planner solve hit its time "

@@ -276,6 +276,7 @@ class ShardedFunction:
                     self.__name__,
                     self.timeout,
                     inputs.small_values(tensors, small),
+                    lambda: inputs.describe_call(self.fn, args, key[2:]),
                 )
                 gate(call)
             if self.check_values and (id(program), plain) not in self._values_checked:

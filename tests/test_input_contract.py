@@ -154,9 +154,12 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
         torch.testing.assert_close(r["from_local"], r["reference"])
         assert "w (rank groups [[0], [1]])" in r["seeds"], r["seeds"]
         assert "different arguments" in r["scalar"] and "[[0], [1]]" in r["scalar"]
+        assert "Differing: scale: ranks [0] 1.0; ranks [1] 2.0." in r["scalar"], r["scalar"]  # named
         assert "DeviceMesh [1, 0]" in r["grid"] and "[0, 1]" in r["grid"], r["grid"]
         assert "different arguments" in r["shape"], r["shape"]
+        assert "x: ranks [0] a tensor (4, 4)" in r["shape"] and "ranks [1] a tensor (8, 4)" in r["shape"]
         assert "small CPU tensors" in r["tensor_lr"] and "[[0], [1]]" in r["tensor_lr"], r["tensor_lr"]
+        assert "ranks [0] a tensor () torch.float32 holding [0.1" in r["tensor_lr"], r["tensor_lr"]
         assert "ranks called different sharded steps" in r["steps"], r["steps"]
         assert "differs between ranks [0, 1], which hold the same block" in r["replica"], r["replica"]
         assert "hold different values on different ranks: x" in r["later_plain"], r["later_plain"]
