@@ -5,12 +5,12 @@ use by every rank in the same order (SPMD guarantees they all get there). c10d o
 rank while a tuple of axes orders it by ``Mesh.axis_index`` (first axis major); where the two differ the
 blocks are permuted before sending and after receiving. Uneven shards travel padded to the largest block
 and are trimmed on arrival. ``async_op=True`` returns the output buffer at once and ``wait`` completes
-it (all_gather, reduce_scatter, all_reduce); layouts that need work after arrival (uneven, permuted,
-``avg``, except a two-rank exchange's), results along a dim other than 0 (returned dense, as the fake
-collectives' are) and empty results complete before returning. Even reduce-scatters in c10d order send
-their input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a caller-owned buffer in
-place. Even all-gathers and reduce-scatters on a two-rank gloo group are one point-to-point exchange
-(``pairwise``: faster there than gloo's own collectives, same bytes).
+it (all_gather, reduce_scatter, all_reduce); results along a dim other than 0 are returned dense (as the
+fake collectives' are) and filled at the wait; layouts that need work after arrival (uneven, permuted,
+``avg``, except a two-rank exchange's) and empty results complete before returning. Even reduce-scatters
+in c10d order send their input as it is (no concatenated copy); ``all_reduce_inplace`` reduces a
+caller-owned buffer in place. Even all-gathers and reduce-scatters on a two-rank gloo group are one
+point-to-point exchange (``pairwise``: faster there than gloo's own collectives, same bytes).
 """
 
 from __future__ import annotations
@@ -173,10 +173,10 @@ def all_gather(
     even = all(n == longest for n in lengths)
     if even and pairwise.usable(g.pg, g.n):
         exchange = pairwise.all_gather(g.pg, g.by_pos[1 - g.pos], g.pos, front, out)
-        return _dense(_issued(exchange, out, async_op and dim == 0), dim)
+        return _issued_dense(exchange, out, dim, async_op)
     work = _all_gather_flat(out, front, group=g.pg, async_op=True)
-    if async_op and even and g.identity and dim == 0:
-        return _issued(work, out, async_op)
+    if async_op and even and g.identity:
+        return _issued_dense(work, out, dim, async_op)
     _finish(work)
     blocks = torch.split(out, longest)
     by_pos = [blocks[grank][: lengths[g.pos_of_grank[grank]]] for grank in range(g.n)]
@@ -187,8 +187,22 @@ def all_gather(
 def _dense(front: torch.Tensor, dim: int) -> torch.Tensor:
     """``front`` (gathered or scattered along dim 0) with that dim moved back to ``dim``, dense: the
     strides the program was compiled for (its fake values are dense), which the passes read to give
-    fused kernels dense rows. Along another dim than 0 the collective completes first."""
+    fused kernels dense rows."""
     return front if dim == 0 else front.movedim(0, dim).contiguous()
+
+
+def _issued_dense(work: Any, front: torch.Tensor, dim: int, async_op: bool) -> torch.Tensor:
+    """``_issued`` for a result laid out along dim 0 (``front``) and returned along ``dim``: dense
+    at once, filled at the wait (through ``.data``: the data arriving, which autograd's version
+    check on the collective's output does not count as a write)."""
+    if dim == 0:
+        return _issued(work, front, async_op)
+    result = front.new_empty(front.movedim(0, dim).shape)
+
+    def lay_out() -> None:
+        result.data.copy_(front.movedim(0, dim))
+
+    return _issued(pairwise.Exchange([work], lay_out, (front,)), result, async_op)
 
 
 @_gated
@@ -207,7 +221,7 @@ def reduce_scatter(
     if length == block * g.n and pairwise.usable(g.pg, g.n):
         out = front.new_empty((block, *front.shape[1:]))
         exchange = pairwise.reduce_scatter(g.pg, g.by_pos[1 - g.pos], g.pos, front, out, op)
-        return _dense(_issued(exchange, out, async_op and dim == 0), dim)
+        return _issued_dense(exchange, out, dim, async_op)
     if length == block * g.n and g.identity:
         send = front  # blocks already in c10d order and equal: send the input as it is
     else:
@@ -223,8 +237,8 @@ def reduce_scatter(
     start, stop = chunk_bounds(length, g.n, g.pos)
     result = out[: stop - start]
     work = _reduce_scatter_flat(out, send, op=_REDUCE[op], group=g.pg, async_op=True)
-    if async_op and op != "avg" and send is front and dim == 0:
-        return _issued(work, result, async_op)
+    if async_op and op != "avg" and send is front:
+        return _issued_dense(work, result, dim, async_op)
     _finish(work)
     return _dense(result / g.n if op == "avg" else result, dim)
 

@@ -371,30 +371,57 @@ _EXTRA_DECOMPOSITIONS[aten._has_same_storage_numel.default] = lambda a, b: (
 
 
 def _foreach(target: Any, base: Any, inplace: bool) -> Callable[..., Any]:
-    """``_foreach_<op>`` as ``<op>`` per tensor: each list argument (tensors or scalars) indexed,
-    every other argument passed whole (by name where ``<op>`` takes it keyword-only, as addcmul's
-    ``value``). One node per tensor, each with its op's rule (the fused multi-tensor kernel has
-    none, and its tensors may lie in different layouts)."""
-    names = [a.name for a in target._schema.arguments]
-    positional = max(
-        sum(1 for a in getattr(base, o)._schema.arguments if not a.kwarg_only) for o in base.overloads()
-    )
-
-    # maximum and minimum take no Scalar: the number as a 0-dim tensor of the tensor's dtype
+    """``_foreach_<op>`` as ``<op>`` per tensor: each list argument (tensors or numbers) indexed,
+    every other argument passed whole; an argument ``<op>`` takes by keyword only (addcmul's
+    ``value``, which the foreach form takes as its ``scalars``; the norm's ``dtype``) by that name.
+    One node per tensor, each with its op's rule (the fused multi-tensor kernel has none, and its
+    tensors may lie in different layouts)."""
+    schemas = [getattr(base, o)._schema for o in base.overloads()]
+    positional = max(len([a for a in sc.arguments if not a.kwarg_only]) for sc in schemas)
+    keyword = sorted({a.name for sc in schemas for a in sc.arguments if a.kwarg_only and a.name != "out"})
+    plan: list[str | None] = []  # per foreach argument: None (positional) or the keyword to pass it by
+    for i, a in enumerate(target._schema.arguments):
+        if a.name in keyword:
+            plan.append(a.name)
+        elif i < positional:
+            plan.append(None)
+        else:
+            plan.append(keyword[0] if len(keyword) == 1 else a.name)
+    # maximum and minimum take no Scalar: the number as a 0-dim tensor of the type eager's
+    # promotion gives (an int tensor with 2.5: a float)
     scalar_as_tensor = base.__name__.rstrip("_") in ("maximum", "minimum")
 
+    def pick(a: Any, j: int) -> Any:
+        return a[j] if isinstance(a, (list, tuple)) else a
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
-        named = {names[i]: args[i] for i in range(positional, len(args))} | kwargs
+        pos = [a for a, k in zip(args, plan, strict=False) if k is None]
+        named = {k: a for a, k in zip(args, plan, strict=False) if k is not None} | kwargs
+        count = next(len(a) for a in [*pos, *named.values()] if isinstance(a, (list, tuple)))
         out = []
-        for j in range(len(args[lists[0]])):
-            call = [a[j] if i in lists else a for i, a in enumerate(args[:positional])]
+        for j in range(count):
+            call = [pick(a, j) for a in pos]
             if scalar_as_tensor and not isinstance(call[1], torch.Tensor):
-                call[1] = torch.scalar_tensor(call[1], dtype=call[0].dtype, device=call[0].device)
-            out.append(base(*call, **named))
+                kind = torch.result_type(call[0], call[1])
+                call[1] = torch.scalar_tensor(call[1], dtype=kind, device=call[0].device)
+            kw = {k: pick(v, j) for k, v in named.items()}
+            if isinstance(kw.get("value"), torch.Tensor) and len(call) == 3:  # addcmul/addcdiv.Tensor
+                value = kw.pop("value")
+                out.append(_addc_tensor(base, call, value[j] if value.dim() == 1 else value))
+                continue
+            out.append(base(*call, **kw))
         return None if inplace else out
 
     return run
+
+
+def _addc_tensor(base: Any, call: list[Any], value: torch.Tensor) -> Any:
+    """``addcmul``/``addcdiv`` whose ``value`` is a tensor element (the foreach ``.Tensor`` forms,
+    which eager reads number by number): ``self + value * t1 * t2`` (``/ t2``) in the kernel's order."""
+    x, t1, t2 = call
+    term = value.to(x.dtype) * t1
+    term = term / t2 if base.__name__.startswith("addcdiv") else term * t2
+    return x.add_(term) if base.__name__.endswith("_") else x + term
 
 
 def _foreach_decompositions() -> dict[Any, Callable[..., Any]]:

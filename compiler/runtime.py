@@ -22,7 +22,7 @@ from compiler.program import Program, broadcast_specs, compile_program, per_argu
 from compiler.random import check_no_outer_rng
 from compiler.runtime_real import _constants, _is_dtensor, _real_plan, _RealPlan, _run_real
 from compiler.trace import arg_names, path_str
-from shardspec.errors import ShardingError, fail, shown, user_facing
+from shardspec.errors import ShardingError, add_note, fail, shown, user_facing
 from shardspec.layout import check_spec, shard, unshard
 from shardspec.mesh import Mesh
 from shardspec.spec import P
@@ -376,10 +376,11 @@ def _broken(step: str, exc: BaseException) -> None:
     one of its collectives: the group takes no more (``check_usable``), and the error says so."""
     mark_broken(f"an earlier call of {step} raised on this rank inside its program ({type(exc).__name__}).")
     if not isinstance(exc, KeyboardInterrupt):
-        exc.add_note(
+        add_note(
+            exc,
             f"shardspec: {step} raised on this rank partway through its program; its peers may "
             "still wait in one of its collectives, so this process group can run no further "
-            "collective (a later call is an error). End the job; torchrun restarts it."
+            "collective (a later call is an error). End the job; torchrun restarts it.",
         )
 
 

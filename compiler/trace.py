@@ -31,7 +31,7 @@ from compiler.decompose import decompositions, views_as_permutes
 from compiler.distinct import split_shared_operands
 from compiler.rewrites import Rewrites
 from compiler.sources import SourceTracker, user_frame
-from shardspec.errors import ShardingError, fail
+from shardspec.errors import ShardingError, add_note, fail
 
 _STATIC = (int, float, bool, str, type(None))
 aten = torch.ops.aten
@@ -305,4 +305,4 @@ def _raise_user_error(exc: Exception, fn: Callable[..., Any]) -> None:
             "read values.",
         ) from None
     if where != "<unknown line>":  # torch's own error (a shape mistake), raised on fake tensors
-        exc.add_note(f"raised while tracing {name}, at {where}")
+        add_note(exc, f"raised while tracing {name}, at {where}")

@@ -25,6 +25,16 @@ class ShardingError(ValueError):
     """
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10, which has no ``add_note``, the note is appended to
+    ``__notes__`` (kept for tools that read it; 3.10's traceback does not print it)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        notes = getattr(exc, "__notes__", None) or []
+        exc.__notes__ = [*notes, note]
+
+
 def fail(what: str, fix: str) -> ShardingError:
     """Build a ShardingError whose message ends with a fix-it line."""
     return ShardingError(f"{what}\nFix: {fix}")

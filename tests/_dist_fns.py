@@ -178,6 +178,15 @@ def pairwise_edges(rank: int, world: int) -> dict[str, object]:
     )
     z = torch.tensor([-0.0, 0.0, 0.0, -0.0]) if rank == 0 else torch.tensor([0.0, -0.0, -0.0, 0.0])
     out["max_zeros"] = C.reduce_scatter(z, dim=0, axis="x", mesh=mesh, op="max")
+    # along dim 1: dense results, issued without waiting for a peer that comes late
+    if rank == 1:
+        time.sleep(1.0)
+    y = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    t0 = time.monotonic()
+    gathered = C.all_gather(y, dim=1, axis="x", mesh=mesh, size=6, async_op=True)
+    scattered = C.reduce_scatter(torch.ones(2, 4), dim=1, axis="x", mesh=mesh, async_op=True)
+    out["dim1_issue_s"] = time.monotonic() - t0
+    out["dim1"] = (C.wait(gathered), C.wait(scattered))
     step = sharded(lambda t: t * 2, mesh=mesh, in_specs=(P(),), out_specs=P(), timeout=1.0)
     step(torch.ones(2))
     if rank == 1:

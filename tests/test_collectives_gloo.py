@@ -97,6 +97,11 @@ def test_two_rank_exchanges_at_their_edges():
         gathered, scattered = r[rank]["grad_inputs"]
         assert torch.equal(gathered, torch.ones(8)) and torch.equal(scattered, torch.full((2,), 2.0))
         assert torch.equal(r[rank]["after_step"], torch.tensor([0.0, 1.0]))
+        gathered, scattered = r[rank]["dim1"]
+        want = torch.cat([torch.arange(6.0).reshape(2, 3), torch.arange(6.0).reshape(2, 3) + 10], 1)
+        assert torch.equal(gathered, want) and gathered.is_contiguous()
+        assert torch.equal(scattered, torch.full((2, 2), 2.0)) and scattered.is_contiguous()
+    assert r[0]["dim1_issue_s"] < 0.5  # rank 1 came a second late: issuing did not wait for it
     # max in position order, as the simulated mesh combines: torch.maximum(-0.0, 0.0) is -0.0
     zeros = [torch.tensor([-0.0, 0.0, 0.0, -0.0]), torch.tensor([0.0, -0.0, -0.0, 0.0])]
     want = torch.maximum(zeros[0], zeros[1])

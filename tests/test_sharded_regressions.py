@@ -1077,13 +1077,18 @@ def test_foreach_ops_run_per_tensor_with_each_layout() -> None:
         w = torch._foreach_addcmul(z, [a, b], [b, a], value=0.1)  # value: keyword-only in addcmul
         torch._foreach_mul_(w, 3.0)
         m = torch._foreach_maximum(w, 0.0)  # maximum takes no Scalar
-        norms = torch._foreach_norm(z)
-        return torch.stack(norms), m[0], m[1], torch.nn.utils.get_total_norm([a, b], foreach=True)
+        norms = torch._foreach_norm(z, 2, dtype=torch.float64)  # dtype: keyword-only in the norm
+        torch._foreach_addcdiv_(z, [a, b], [b.exp(), a.exp()], [0.5, -2.0])  # a number per tensor
+        c = torch._foreach_addcmul(z, [a, b], [b, a], torch.tensor([0.5, -2.0]))  # numbers in a tensor
+        k = torch._foreach_maximum([a.long(), b.long()], 0.5)  # an int tensor with a float: a float
+        extra = (c[0], c[1], k[0], k[1])
+        return torch.stack(norms), m[0], m[1], torch.nn.utils.get_total_norm([a, b], foreach=True), extra
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
     mesh = Mesh({"dp": 2, "tp": 2}, simulate=True)
-    f = sharded(step, mesh=mesh, in_specs=(P("dp", "tp"), P(None, "dp")), out_specs=(P(), P("dp"), P(), P()))
+    outs = (P(), P("dp"), P(), P(), (P(), P(), P("dp"), P()))
+    f = sharded(step, mesh=mesh, in_specs=(P("dp", "tp"), P(None, "dp")), out_specs=outs)
     torch.testing.assert_close(f(a, b), step(a, b))
 
 
