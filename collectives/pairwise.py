@@ -26,17 +26,11 @@ import torch.distributed as dist
 # one-axis mesh exchanges collective blocks on that same group.
 TAG = 0x5EED
 
-_GLOO: dict[int, bool] = {}
-
 
 def usable(pg: Any, n: int) -> bool:
-    """Whether ``pg`` is a two-rank gloo group (NCCL's collectives are its fastest path)."""
-    if n != 2:
-        return False
-    key = id(pg)
-    if key not in _GLOO:
-        _GLOO[key] = dist.get_backend(pg) == "gloo"
-    return _GLOO[key]
+    """Whether ``pg`` is a two-rank gloo group (NCCL's collectives are its fastest path). Asked
+    each time (a dictionary lookup in c10d): a group destroyed and made again may reuse an address."""
+    return n == 2 and dist.get_backend(pg) == "gloo"
 
 
 class Exchange:
