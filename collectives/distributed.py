@@ -235,7 +235,7 @@ def reduce_scatter(
         send = torch.cat(pieces)
     out = front.new_empty((block, *front.shape[1:]))
     start, stop = chunk_bounds(length, g.n, g.pos)
-    result = out[: stop - start]
+    result = out if stop - start == block else out[: stop - start]  # not a view where it is all of it
     work = _reduce_scatter_flat(out, send, op=_REDUCE[op], group=g.pg, async_op=True)
     if async_op and op != "avg" and send is front:
         return _issued_dense(work, result, dim, async_op)

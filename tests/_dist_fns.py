@@ -257,6 +257,10 @@ def review_regressions(rank: int, world: int) -> dict[str, object]:
         C.all_gather(torch.zeros(2, 3), dim=0, axis="b", mesh=mesh, size=9)  # 5 + 4: no member has 2
     except ShardingError as e:
         out["size_error"] = str(e)
+    # an async reduce-scatter of an input requiring grad over the four ranks (c10d's collective):
+    # its result was a view of the output buffer, which autograd refused at the wait
+    w = torch.ones(8, requires_grad=True)
+    out["grad_rs"] = C.wait(C.reduce_scatter(w, dim=0, axis=("a", "b"), mesh=mesh, async_op=True)).detach()
     return out
 
 

@@ -57,6 +57,7 @@ def test_review_regressions_on_gloo():
     results = run_distributed(fns.review_regressions, 4, timeout=60)
     assert torch.equal(results[3]["recv"], torch.full((2,), 7.0))
     for rank, r in enumerate(results):
+        assert torch.equal(r["grad_rs"], torch.full((2,), 4.0))
         assert r["empty"].shape == (0, 3)
         partner = rank ^ 1  # the other member of this rank's 'b' group
         a, b = sorted((rank, partner))
