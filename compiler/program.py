@@ -130,6 +130,7 @@ def compile_program(
     donate: tuple[int, ...] = (),
     pipeline: Pipeline | None = None,
     cost_model: Any = None,
+    held_buckets: bool = False,
 ) -> Program:
     names = arg_names(fn, len(args))
     in_specs = per_argument(in_specs, args, names)
@@ -240,7 +241,9 @@ def compile_program(
         drop_boundaries(gm)
     opts = program_passes.options(passes)
     programs = list(
-        program_passes.schedule_programs(programs, local_inputs, opts, backward, remat, traced, donated)
+        program_passes.schedule_programs(
+            programs, local_inputs, opts, backward, remat, traced, donated, held_buckets
+        )
     )
     return Program(
         traced,

@@ -165,6 +165,7 @@ class ShardedFunction:
                     donate=self.donate,
                     pipeline=self.pipeline,
                     cost_model=self.cost_model,
+                    held_buckets=not self.mesh.simulated and self.backend == "eager",
                 )
             finally:
                 _TRACING.reset(token)

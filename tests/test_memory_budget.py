@@ -107,8 +107,8 @@ def test_memory_budget_must_be_a_positive_number_of_bytes(bad):
 
 def test_gradients_are_copied_into_their_bucket_as_soon_as_computed():
     """DP: one all-reduce bucket. Packed at its last member, every gradient and the flat buffer are
-    live together; packed as computed, each gradient dies at its copy, so the peak falls by up to
-    the gradients' bytes, with the same results and bytes sent."""
+    live together; packed as computed, each gradient dies at its copy (or is computed in the bucket),
+    so the peak falls by up to the gradients' bytes, with the same results and bytes sent."""
     on, off = _compiled(spec=P()), _compiled(spec=P(), passes={"pack_early": False})
     args = _args()
     low_on, low_off = on.lower(*args), off.lower(*args)
@@ -125,7 +125,10 @@ def test_gradients_are_copied_into_their_bucket_as_soon_as_computed():
         and n.args[0].target is aten.slice.Tensor
         and n.args[0].args[0] in flats
     ]
-    assert len(copies) >= LAYERS  # every weight's gradient (and the loss's scalars)
+    into = [  # a weight gradient's mm written straight into its slice: no buffer of its own
+        n for n in nodes if n.target is aten.mm.out and n.kwargs["out"].args[0].args[0] in flats
+    ]
+    assert len(copies) + len(into) >= LAYERS and into  # every weight's gradient (and the loss's scalars)
     for c in copies:  # each gradient (through views) is last read by its copy into the bucket
         src = c.args[1]
         while src.op == "call_function" and src.target in (aten.reshape.default, aten.view.default):

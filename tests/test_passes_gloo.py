@@ -134,8 +134,9 @@ def test_gradient_buckets_are_issued_before_backward_ends():
 
 
 def held_buckets(rank: int, world: int) -> dict[str, object]:
-    """DP steps on a real mesh: the gradient bucket is one buffer across calls, the loss a tensor of
-    its own; a step returning its gradients (views of the bucket) does not hold it."""
+    """DP steps on a real mesh: the gradient bucket is one buffer across calls, filled as gradients
+    are computed (weight gradients written into it), the loss a tensor of its own; a step returning
+    its gradients (views of the bucket) does not hold it."""
     import shardspec
     from shardspec import Mesh, P, sharded
 
@@ -164,8 +165,15 @@ def held_buckets(rank: int, world: int) -> dict[str, object]:
     first = g(mlp.init(8, 16, 4), *batch(0))[1]
     kept = {k: v.to_local().clone() for k, v in first.items()}
     g(mlp.init(8, 16, 4), *batch(1))  # must not write into the first call's gradients
+    nodes = list(f._plans[id(program)].held.graph.nodes)
+    bucket = next(i for i, n in enumerate(nodes) if n.op == "call_module")
+    into = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.out]
     return {
         "held": len(held),
+        "into_bucket": [
+            nodes[bucket] in nodes[i].kwargs["out"].all_input_nodes[0].all_input_nodes for i in into
+        ],
+        "bucket_before_first_gradient": bool(into) and bucket < min(into),
         "buffers": buffers,
         "loss_bytes": loss_bytes,
         "params": {k: v.full_tensor() for k, v in params.items()},
@@ -177,6 +185,9 @@ def test_dp_gradient_bucket_is_held_across_calls_and_results_stay_their_own():
     want_params, _ = _reference()
     for r in run_distributed(held_buckets, 2, timeout=240):
         assert r["held"] == 1
+        # held, the bucket costs nothing before it is written: it is filled from the first gradient
+        # on, and both weight gradients are computed straight into it (no buffer of their own)
+        assert r["bucket_before_first_gradient"] and r["into_bucket"] == [True, True]
         assert r["buffers"][0] == r["buffers"][1] == r["buffers"][2]
         assert r["loss_bytes"] == [4, 4, 4]  # not a view of the bucket (it would keep it alive)
         for k in want_params:

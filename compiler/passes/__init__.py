@@ -162,11 +162,13 @@ def optimize(
     backward: frozenset[str] = frozenset(),
     regions: Regions | None = None,
     regather_only: frozenset[str] | None = None,
+    held_buckets: bool = False,
 ) -> GraphModule:
     """Run the chosen passes on one rank's program (``inputs``: its local input shapes and dtypes;
     ``backward``: the names of the traced ops that ran in backward, for ``regather`` and ``remat``;
     ``regions``: traced op name -> (remat region, kept by its policy), for ``remat``;
-    ``regather_only``: the parameter gathers to issue again, None for all)."""
+    ``regather_only``: the parameter gathers to issue again, None for all; ``held_buckets``: the
+    runtime holds all-reduce buckets between calls, ``passes/held.py``)."""
     if not any((opts.views, opts.remat, opts.regather, opts.cast, opts.bucket, opts.inplace, opts.overlap)):
         return gm
     try:
@@ -194,13 +196,15 @@ def optimize(
             bucketing_(gm, opts.bucket_bytes, opts.zero_bucket_bytes)
             gm.graph.lint()
         except RuntimeError:  # a bucket placed a use before its launch: run this program unbucketed
-            return optimize(original, inputs, replace(opts, bucket=False), backward, regions, regather_only)
+            return optimize(
+                original, inputs, replace(opts, bucket=False), backward, regions, regather_only, held_buckets
+            )
     if opts.inplace:
         inplace_(gm)
     if opts.overlap:
         overlap_(gm)
     if opts.bucket and opts.pack_early:
-        pack_early_(gm)
+        pack_early_(gm, held_buckets)
     if opts.views or opts.bucket:
         dense_results_(gm)
         dense_kernel_inputs_(gm)
@@ -215,10 +219,11 @@ def optimize_programs(
     backward: frozenset[str] = frozenset(),
     regions: Regions | None = None,
     regather_only: frozenset[str] | None = None,
+    held_buckets: bool = False,
 ) -> tuple[GraphModule, ...]:
     """Every rank's program; one shared program when the ranks share one (even layouts)."""
     if all(p is programs[0] for p in programs):
-        done = optimize(programs[0], inputs[0], opts, backward, regions, regather_only)
+        done = optimize(programs[0], inputs[0], opts, backward, regions, regather_only, held_buckets)
         return (done,) * len(programs)
     # uneven layouts: fake collectives give every rank block 0's shape, so a rank whose block is
     # shorter would pack buckets by wrong sizes (even where propagation does not fail); never bucket
@@ -226,7 +231,7 @@ def optimize_programs(
     out = []
     for rank, (p, i) in enumerate(zip(programs, inputs, strict=True)):
         with fake_rank(rank):  # shapes propagate with this rank's own (shorter) blocks
-            out.append(optimize(p, i, opts, backward, regions, regather_only))
+            out.append(optimize(p, i, opts, backward, regions, regather_only, held_buckets))
     return tuple(out)
 
 
@@ -238,12 +243,13 @@ def schedule_programs(
     regions: Regions | None,
     traced: Any,
     donated: Sequence[int],
+    held_buckets: bool = False,
 ) -> tuple[GraphModule, ...]:
     """Every rank's finished program: the passes, then donation; under ``memory_budget`` the
     re-gathers that keep the predicted peak within it (``passes/budget.py``)."""
 
     def build(only: frozenset[str] | None) -> tuple[GraphModule, ...]:
-        done = optimize_programs(programs, inputs, opts, backward, regions, only)
+        done = optimize_programs(programs, inputs, opts, backward, regions, only, held_buckets)
         return donate_programs(done, inputs, traced, donated) if donated else done
 
     if opts.memory_budget is None:

@@ -17,12 +17,11 @@ rank's program alone: a simulated mesh runs one program object from every rank's
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.fx import GraphModule, Node
 
-from compiler.passes.graph import aliases_input, copy_module
+from compiler.passes.graph import copy_module
+from compiler.passes.liveness import result_roots
 
 aten = torch.ops.aten
 ops = torch.ops.shardspec
@@ -52,7 +51,7 @@ def hold_buckets(gm: GraphModule) -> GraphModule:
     chosen = [n for n in gm.graph.nodes if _holdable(n)]
     if not chosen:
         return gm
-    escaping = _result_roots(gm)
+    escaping = result_roots(gm)
     chosen = [n for n in chosen if n not in escaping]
     if not chosen:
         return gm
@@ -81,20 +80,3 @@ def _holdable(n: Node) -> bool:
     while len(users) == 1 and users[0].target is aten.reshape.default:
         users = list(users[0].users)
     return any(u.target is ops.all_reduce_inplace.default for u in users)
-
-
-def _result_roots(gm: GraphModule) -> set[Any]:
-    """The nodes whose storage the program's results may share (through views and ops returning
-    an input, such as ``all_reduce_inplace``)."""
-
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    seen: set[Any] = set()
-    todo = list(out.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and aliases_input(n):
-            todo.extend(n.all_input_nodes)  # any input, not only the first: err on holding less
-    return seen

@@ -29,8 +29,9 @@ def roots(nodes: list[Node]) -> dict[Node, Node]:
     of a multi-output op: the first)."""
     root: dict[Node, Node] = {}
     first: dict[tuple[Node, object], Node] = {}
-    for n in nodes:
-        src = n.all_input_nodes[0] if n.all_input_nodes else None
+    for n in nodes:  # (an out= op returns its ``out`` argument)
+        into = n.kwargs.get("out")
+        src = into if isinstance(into, Node) else n.all_input_nodes[0] if n.all_input_nodes else None
         alias = n.op == "call_function" and src is not None and aliases_input(n)
         root[n] = root[src] if alias and src is not None and _shares_storage(n, src) else n
         if n.target is operator.getitem and root[n] is n and src is not None:
@@ -112,6 +113,22 @@ def curve(gm: GraphModule, only: set[Node] | None = None) -> list[tuple[Node | N
 
 def peak(gm: GraphModule) -> int:
     return max(live for _, live in curve(gm))
+
+
+def result_roots(gm: GraphModule, copied: set[Node] | frozenset[Node] = frozenset()) -> set[Node]:
+    """The nodes whose storage the program's results may share (through views and ops returning
+    an input, such as ``all_reduce_inplace``); ``copied``: results that will be returned as copies."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    seen: set[Node] = set()
+    todo = [n for n in out.all_input_nodes if n not in copied]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and aliases_input(n):
+            todo.extend(n.all_input_nodes)  # any input, not only the first: err on holding less
+    return seen
 
 
 def _shares_storage(n: Node, src: Node) -> bool:

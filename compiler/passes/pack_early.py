@@ -9,6 +9,11 @@ and each member is copied into its slice of it right after it is computed, so a 
 dies at once (when nothing else reads it) and the bucket holds the gradients once. The buffer lives
 no longer than before in total: the members it replaces were live from their computation anyway.
 
+On a real mesh's eager runtime an all-reduce bucket nothing returns is held between calls
+(``held.py``): resident before the step starts, it costs nothing until it is written, so there
+(``held=True``) every member is copied in as soon as it is computed, the start that lets each
+gradient's own buffer die at once; the position choice below prices a buffer allocated per call.
+
 Runs after ``overlap``, on the scheduled program (no later pass moves nodes by their data
 dependencies, which would not see the copies the launch depends on). Applies to ``cat``s feeding a
 gradient launch (``all_reduce_inplace``, or ``reduce_scatter`` of the flattened rows) whose pieces
@@ -23,34 +28,42 @@ from torch.fx import Graph, GraphModule, Node
 from compiler.passes import liveness
 from compiler.passes.bucketing import BUCKET_CAT
 from compiler.passes.graph import aliases_input, copy_module, make, mutates, val
+from compiler.passes.views import small_views
 
 aten = torch.ops.aten
 ops = torch.ops.shardspec
 _GRADIENT_LAUNCHES = {ops.all_reduce_inplace.default, ops.reduce_scatter.default}
 
 
-def pack_early(gm: GraphModule) -> GraphModule:
-    """The program with gradient buckets filled as their members are computed (see the module doc)."""
+def pack_early(gm: GraphModule, held: bool = False) -> GraphModule:
+    """The program with gradient buckets filled as their members are computed (see the module doc;
+    ``held``: all-reduce buckets will be held between calls)."""
     gm = copy_module(gm)
-    pack_early_(gm)
+    pack_early_(gm, held)
     gm.recompile()
     return gm
 
 
-def pack_early_(gm: GraphModule) -> None:
+def pack_early_(gm: GraphModule, held: bool = False) -> None:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    copied = small_views(list(out.all_input_nodes))  # returned as copies (``dense_results_``)
+    escaping = liveness.result_roots(gm, copied) if held else set()
     for cat in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.cat.default]:
-        if _feeds_gradient_launch(cat):
-            _fill_as_computed(gm, cat)
+        launch = _feeds_gradient_launch(cat)
+        if launch is not None:
+            at_once = held and launch.target is ops.all_reduce_inplace.default and cat not in escaping
+            _fill_as_computed(gm, cat, at_once)
     gm.graph.lint()
 
 
-def _feeds_gradient_launch(cat: Node) -> bool:
+def _feeds_gradient_launch(cat: Node) -> Node | None:
+    """The gradient launch a bucket's ``cat`` feeds, if it does."""
     if not cat.meta.get(BUCKET_CAT):  # a cat of the user's own, reduced as it is
-        return False
+        return None
     users = list(cat.users)
     while len(users) == 1 and users[0].target is aten.reshape.default:  # reduce_scatter's flat view
         users = list(users[0].users)
-    return len(users) == 1 and users[0].target in _GRADIENT_LAUNCHES
+    return users[0] if len(users) == 1 and users[0].target in _GRADIENT_LAUNCHES else None
 
 
 def _chain(piece: Node) -> list[Node] | None:
@@ -118,7 +131,7 @@ def best_start(live: list[int], made: list[tuple[int, int]], end: int, total: in
     return best
 
 
-def _fill_as_computed(gm: GraphModule, cat: Node) -> None:
+def _fill_as_computed(gm: GraphModule, cat: Node, at_once: bool) -> None:
     graph = gm.graph
     pieces = cat.args[0]
     dim = int(cat.args[1]) if len(cat.args) > 1 else 0  # type: ignore[arg-type]
@@ -131,7 +144,7 @@ def _fill_as_computed(gm: GraphModule, cat: Node) -> None:
         return
     pos = pos_of(graph)
     order = sorted(range(len(chains)), key=lambda j: pos[chains[j][0]])
-    k = _best_start(gm, cat, [chains[j] for j in order])
+    k = 0 if at_once else _best_start(gm, cat, [chains[j] for j in order])
     first = chains[order[k]][0]
     with graph.inserting_after(first):
         buf = make(graph, aten.new_empty.default, (first, list(out.shape)))
@@ -140,9 +153,17 @@ def _fill_as_computed(gm: GraphModule, cat: Node) -> None:
     offsets = [0]
     for p in pieces:
         offsets.append(offsets[-1] + int(val(p).shape[dim]))
+    written: list[Node] = []  # members now computed straight into the buffer
     for rank, j in enumerate(order):
         chain = chains[j]
         src = chain[0]
+        if rank > k and out.dim() == 1 and _flat_view_of_product(chain, out.dtype):
+            with graph.inserting_before(src):
+                part = make(graph, aten.slice.Tensor, (buf, dim, offsets[j], offsets[j + 1]))
+                dest = make(graph, aten.view.default, (part, list(val(src).shape)))
+                make(graph, aten.mm.out, tuple(src.args), {"out": dest}, value=val(dest))
+            written.append(src)
+            continue
         after = anchor if rank <= k else src
         with graph.inserting_before(after.next):  # in order, right after ``after``
             x = src
@@ -158,3 +179,26 @@ def _fill_as_computed(gm: GraphModule, cat: Node) -> None:
         for v in reversed(chain[1:]):
             if not v.users:
                 graph.erase_node(v)
+    for src in written:
+        graph.erase_node(src)
+
+
+def _flat_view_of_product(chain: list[Node], dtype: torch.dtype) -> bool:
+    """Whether a member is a weight gradient's ``mm`` seen through views that keep its memory order
+    (``t(t(mm))``, ``reshape(-1)``): then the product can be written into its slice of the bucket
+    (``mm.out``) instead of into a buffer of its own copied there, as DDP's gradient-as-bucket-view
+    does. A view that reorders (a single ``t``) copies at the flattening, which the fake storages
+    show; such a member is copied as before."""
+    src, piece = val(chain[0]), val(chain[-1])
+    return (
+        chain[0].target is aten.mm.default
+        and not chain[0].kwargs
+        and isinstance(src, torch.Tensor)
+        and isinstance(piece, torch.Tensor)
+        and src.dtype == dtype
+        and src.is_contiguous()
+        and piece.is_contiguous()
+        and piece.storage_offset() == 0
+        and piece.numel() == src.numel()
+        and piece.untyped_storage()._cdata == src.untyped_storage()._cdata
+    )

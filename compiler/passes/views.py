@@ -105,7 +105,7 @@ def dense_results_(gm: GraphModule) -> None:
     does not keep the whole buffer alive."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     done: dict[Node, Node] = {}
-    copied = _small_views(list(out.all_input_nodes))
+    copied = small_views(list(out.all_input_nodes))
 
     def dense(a: object) -> object:
         if not isinstance(a, Node) or a.op != "call_function":
@@ -125,7 +125,7 @@ def dense_results_(gm: GraphModule) -> None:
     )
 
 
-def _small_views(results: list[Node]) -> set[Node]:
+def small_views(results: list[Node]) -> set[Node]:
     """The results that view a buffer the program computed while all the results viewing it cover
     less than half of it: returned as views, they would hold the rest of it too."""
     by_root: dict[Node, list[Node]] = {}
