@@ -22,7 +22,9 @@ unsharded (default: a phase's in about 8 launches, 1 MiB to ``bucket_bytes`` eac
 
 Memory: with ``bucket``, each gradient is copied into its bucket's flat buffer as soon as it is
 computed (``pack_early``; ``{"pack_early": False}`` packs the bucket when its last member is
-ready). ``memory_budget`` (bytes per rank; ``sharded(memory_budget=...)`` sets it) makes
+ready). On a real mesh's eager runtime, where DP's all-reduce buckets are held between calls
+(``held.py``), values that die before part of a bucket is written are computed into it
+(``colocate``; off with ``pack_early``). ``memory_budget`` (bytes per rank; ``sharded(memory_budget=...)`` sets it) makes
 ``regather`` a choice per parameter: the fewest parameters gathered again for backward that keep
 the predicted peak within the budget, or an error when no schedule fits (``passes/budget.py``).
 
@@ -44,6 +46,7 @@ from collectives.ops import fake_rank
 from compiler.passes.bucketing import bucketing, bucketing_
 from compiler.passes.budget import check_budget, fewest_regathers
 from compiler.passes.cast import cast, cast_
+from compiler.passes.colocate import colocate_
 from compiler.passes.donate import donate_
 from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
@@ -208,6 +211,8 @@ def optimize(
     if opts.views or opts.bucket:
         dense_results_(gm)
         dense_kernel_inputs_(gm)
+    if held_buckets and opts.bucket and opts.pack_early:
+        colocate_(gm)
     gm.recompile()
     return gm
 

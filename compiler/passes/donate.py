@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from compiler.passes.graph import aliases_input
+from compiler.passes.graph import alias_source, aliases_input
 
 aten = torch.ops.aten
 ops = torch.ops.shardspec
@@ -78,7 +78,7 @@ def _last_reads(graph: Graph) -> tuple[dict[Node, int], dict[Node, Node], dict[N
     pos = {n: i for i, n in enumerate(nodes)}
     root: dict[Node, Node] = {}
     for n in nodes:
-        src = n.all_input_nodes[0] if n.all_input_nodes else None
+        src = alias_source(n)
         alias = n.op == "call_function" and src is not None and aliases_input(n)
         root[n] = root[src] if alias and src is not None else n
     last: dict[Node, int] = {}

@@ -273,6 +273,15 @@ def _map_vals(a: Any) -> Any:
     return a
 
 
+def alias_source(n: Node) -> Node | None:
+    """The input whose storage ``n``'s result may share if it aliases one: an out= op's ``out``
+    argument, else its first input."""
+    into = n.kwargs.get("out")
+    if isinstance(into, Node):
+        return into
+    return n.all_input_nodes[0] if n.all_input_nodes else None
+
+
 def aliases_input(n: Node) -> bool:
     """Whether ``n``'s result may share storage with one of its inputs (a view, an in-place op)."""
     if n.op != "call_function":

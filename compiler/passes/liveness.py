@@ -19,7 +19,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from compiler.passes.graph import aliases_input, val
+from compiler.passes.graph import alias_source, aliases_input, val
 
 _READ_UNTIL_WAIT = {torch.ops.shardspec.all_gather.default, torch.ops.shardspec.reduce_scatter.default}
 
@@ -29,9 +29,8 @@ def roots(nodes: list[Node]) -> dict[Node, Node]:
     of a multi-output op: the first)."""
     root: dict[Node, Node] = {}
     first: dict[tuple[Node, object], Node] = {}
-    for n in nodes:  # (an out= op returns its ``out`` argument)
-        into = n.kwargs.get("out")
-        src = into if isinstance(into, Node) else n.all_input_nodes[0] if n.all_input_nodes else None
+    for n in nodes:
+        src = alias_source(n)
         alias = n.op == "call_function" and src is not None and aliases_input(n)
         root[n] = root[src] if alias and src is not None and _shares_storage(n, src) else n
         if n.target is operator.getitem and root[n] is n and src is not None:

@@ -27,6 +27,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from compiler.passes import liveness
 from compiler.passes.bucketing import BUCKET_CAT
+from compiler.passes.colocate import HELD_BUCKET
 from compiler.passes.graph import aliases_input, copy_module, make, mutates, val
 from compiler.passes.views import small_views
 
@@ -149,6 +150,8 @@ def _fill_as_computed(gm: GraphModule, cat: Node, at_once: bool) -> None:
     with graph.inserting_after(first):
         buf = make(graph, aten.new_empty.default, (first, list(out.shape)))
     buf.meta["shardspec_flat_bucket"] = True
+    if at_once:
+        buf.meta[HELD_BUCKET] = True  # for ``colocate``
     anchor = buf  # members computed by then are copied right after the buffer, in order
     offsets = [0]
     for p in pieces:
