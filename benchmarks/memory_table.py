@@ -346,16 +346,17 @@ def render(
         " node's fake value gives back 0.1 MiB of resident memory: the rest is heap pages that the"
         " compile's transient objects left partly used, which neither Python's allocator nor glibc's"
         " returns to the system.",
-        "- DP's `step` is larger than DDP's although its live tensors (`predicted`) are not. On a real"
-        " mesh its gradient bucket is held between calls, as DDP holds its buckets (so it is in `held`;"
-        " `compiler/passes/held.py`): allocated afresh each step, the freed 12.7 MB bucket raised"
-        " glibc's mmap threshold, after which every smaller tensor came from a heap that fragmented"
-        " (101.42 MiB against DDP's 84.00 before, the d 256 row). What remains is the step's transient"
-        " buffers: each weight's gradient is computed into a buffer of its own and copied into the"
-        " bucket, where DDP accumulates into `.grad` tensors it keeps between steps. A fixed 128 KiB"
-        " mmap threshold (`MALLOC_MMAP_THRESHOLD_=131072`, both sides) measured 69.3 MiB against DDP's"
-        " 70.8 and 71.3 before the bucket was held, but page-faults every large tensor anew each step"
-        " (105 to 167 ms per step ours, 107 to 151 ms DDP's), so it is not set.",
+        "- DP against DDP: DDP keeps its `.grad` tensors between steps and frees them when the next"
+        " step begins, so that step's activations take their memory (its `held` counts them)."
+        " Our gradient bucket is held between calls on a real mesh as DDP holds"
+        " its buckets (`compiler/passes/held.py`; allocated afresh, the freed 12.7 MB bucket raised"
+        " glibc's mmap threshold, after which the heap fragmented), filled from the first gradient"
+        " on, weight gradients computed straight into it (`mm.out`), and the forward and backward"
+        " values that die before part of it is written are computed into that part"
+        " (`compiler/passes/colocate.py`): the next layers' activations live where the first"
+        " layers' gradients will go. Its `predicted` counts the bucket from the start of the step,"
+        " as it is resident then. A fixed 128 KiB mmap threshold (`MALLOC_MMAP_THRESHOLD_=131072`,"
+        " both sides) is not set: it page-faults every large tensor anew each step.",
     ]
     return "\n".join(lines) + "\n"
 
