@@ -71,6 +71,15 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _usable(what: str) -> None:
+    """A process group a step broke cannot run the save's or load's collectives (they would pair
+    with a peer's collective still waiting from that step)."""
+    if _distributed():
+        from collectives.distributed import check_usable
+
+        check_usable(what)
+
+
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
@@ -194,6 +203,7 @@ def save(
             "(the new one included).",
             "pass keep >= 1, or keep=None to keep every checkpoint.",
         )
+    _usable("checkpoint.save")
     root = Path(path)
     paths, leaves, _ = _flatten(tree)
     records: list[dict[str, Any]] = []
@@ -317,6 +327,7 @@ def load(
     files with the CRC-32 checksums the save recorded first (the ranks share the reading), so a
     damaged or swapped file is an error naming it rather than silently wrong values.
     """
+    _usable("checkpoint.load")
     ckpt, error, kind = _agree(resolve(Path(path)))
     if ckpt is None:
         fix = (

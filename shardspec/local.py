@@ -109,6 +109,10 @@ Block = tuple[tuple[int, ...], str, tuple[int, int]]  # shape, dtype, fingerprin
 def _exchange(mine: list[Block], mesh: Mesh) -> list[list[Block]]:
     import torch.distributed as dist
 
+    from collectives.distributed import check_usable
+
+    check_usable("shardspec.from_local")
+
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     lengths = {len(e) for e in everyone}
@@ -178,6 +182,10 @@ def _to_global(x: Any) -> Any:
     if not hasattr(x, "full_tensor") or not hasattr(x, "device_mesh"):
         return x
     import torch.distributed as dist
+
+    from collectives.distributed import check_usable
+
+    check_usable("shardspec.to_global")
 
     ranks = x.device_mesh.mesh.flatten().tolist()
     if len(ranks) == dist.get_world_size():

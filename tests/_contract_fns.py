@@ -128,15 +128,18 @@ def raise_then_call_again(rank: int, world: int) -> list[str]:
     """A bad id on rank 1 only (embedding raises there); each rank then calls the step again, as a
     loop that skips a bad batch would. Rank 0 waits in the first call's collective until the
     timeout; the second call must be an error on both ranks, not a gloo abort on the mismatch."""
+    import tempfile
+
     import torch.nn.functional as F
 
-    from shardspec import Mesh, P, sharded
+    from shardspec import Mesh, P, checkpoint, from_local, sharded, to_global
 
     mesh = Mesh({"dp": world})
     w = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
     step = sharded(
         lambda w, i: F.embedding(i, w).sum(), mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(), timeout=5
     )
+    block = from_local(torch.ones(2), P("dp"), mesh)
     out = []
     for ids in (torch.tensor([0, 5, 6, 2]), torch.tensor([0, 5, 5, 2])):  # 6 is out of range: rank 1's
         try:
@@ -144,6 +147,18 @@ def raise_then_call_again(rank: int, world: int) -> list[str]:
             out.append("ok")
         except Exception as exc:
             out.append(f"{type(exc).__name__}: {exc} {getattr(exc, '__notes__', '')}")
+    # the other collectives of the public API are refused the same way, at once
+    for call in (
+        lambda: to_global(block),
+        lambda: from_local(torch.ones(2), P("dp"), mesh),
+        lambda: checkpoint.save(tempfile.mkdtemp(), {"x": block}, step=1),
+        lambda: checkpoint.load(tempfile.mkdtemp(), like={"x": block}, mesh=mesh),
+    ):
+        try:
+            call()
+            out.append("ok")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
     return out
 
 

@@ -223,13 +223,15 @@ def test_timeouts_and_bucket_sizes_take_any_number_users_write():
 
 
 def test_a_step_that_raised_on_one_rank_leaves_the_group_refusing_collectives():
-    """After an error inside one rank's program, its peer waits in a collective: calling again must
-    not post a collective that pairs with it (gloo aborted the process on the size mismatch)."""
+    """After an error inside one rank's program, its peer waits in a collective: calling again, or
+    any other collective of the API, must not post one that pairs with it (gloo aborted the process
+    on the size mismatch)."""
     r0, r1 = run_distributed(fns.raise_then_call_again, 2, timeout=120)
     assert r1[0].startswith("IndexError") and "can run no further collective" in r1[0]
     assert r0[0].startswith("ShardingError") and "did not complete within 5 s" in r0[0]
-    for second in (r0[1], r1[1]):
-        assert second.startswith("ShardingError") and "cannot run another collective" in second
+    for later in (*r0[1:], *r1[1:]):  # the step again, to_global, from_local, checkpoint save and load
+        assert later.startswith("ShardingError") and "cannot run another collective" in later, later
+    assert len(r0) == len(r1) == 6
 
 
 @pytest.mark.multiprocess
