@@ -140,9 +140,19 @@ def value_and_grad(
         # which names positions, they go whole to every chunk
         kw_chunks = [dict(kwargs) for _ in range(microbatches)]
         if batches is None:
-            for name, a in kwargs.items():
-                for k, piece in enumerate(_split(a, microbatches, name)):
-                    kw_chunks[k][name] = piece
+            for key, a in kwargs.items():
+                for k, piece in enumerate(_split(a, microbatches, key)):
+                    kw_chunks[k][key] = piece
+        if all(c[0] is a for c, a in zip(chunks, args, strict=True)) and (batches is not None or not kwargs):
+            raise fail(
+                f"value_and_grad({name}, microbatches={microbatches}, argnums={shown(argnums)}): no "
+                f"argument is left to split into microbatches: all {len(args)} are differentiated"
+                + ("" if batches is None else f" or not in batch_argnums={shown(batch_argnums)}")
+                + f", so {name} would run {microbatches} times on the whole batch.",
+                "pass the batch (inputs, labels) as an argument that argnums does not name, or drop "
+                "microbatches; to differentiate with respect to the inputs too, split the batch "
+                "yourself and add up the gradients of value_and_grad over the pieces.",
+            )
         total_loss, total_grads, auxes = None, None, []
         for k in range(microbatches):
             grads, value = differentiate(k, call, tuple(c[k] for c in chunks), kw_chunks[k])

@@ -352,6 +352,11 @@ def test_batch_argnums_keeps_a_non_batch_argument_whole():
         shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=-4)(p, x, mask)
     with pytest.raises(ShardingError, match=r"argument\(s\) \[0\] are both differentiated"):
         shardspec.value_and_grad(_masked_loss, microbatches=2, batch_argnums=(-3, -2))(p, x, mask)
+    # nothing left to split (every argument differentiated): m runs on the whole batch, refused
+    every = shardspec.value_and_grad(_masked_loss, argnums=(0, 1, 2), microbatches=2)
+    with pytest.raises(ShardingError, match=r"no argument is left to split.*all 3 are differentiated"):
+        every(p, x, mask)
+    assert len(shardspec.value_and_grad(_masked_loss, argnums=(0, 1, 2))(p, x, mask)[1]) == 3
 
 
 def test_error_constrain_over_the_pipeline_axis_names_the_constrain():
