@@ -125,10 +125,16 @@ def check_dtensor_mesh(x: Any, mesh: Mesh, path: str) -> None:
         and theirs.device_type == ours.device_type
     )
     if not same:
+        layout = theirs.mesh.tolist() == ours.mesh.tolist() and theirs.device_type == ours.device_type
+        why = (
+            f"names its axes {tuple(ours.mesh_dim_names or ())}: its placements would be read on "
+            "axes they were not made for"
+            if layout
+            else f"lays ranks out as {ours.mesh.tolist()}: its blocks would be read as other ranks' blocks"
+        )
         raise fail(
             f"{path} is a DTensor on DeviceMesh {theirs.mesh.tolist()} with dims "
-            f"{theirs.mesh_dim_names}, but the step's mesh {mesh.describe()} lays ranks out as "
-            f"{ours.mesh.tolist()}: its blocks would be read as other ranks' blocks.",
+            f"{theirs.mesh_dim_names}, but the step's mesh {mesh.describe()} {why}.",
             f"build it on the step's mesh (mesh.device_mesh), or pass shardspec.to_global({path}) (the "
             "global value on every rank; a pipelined step's results live on their stage's ranks only).",
         )

@@ -47,6 +47,9 @@ def contract_checks(rank: int, world: int) -> dict[str, Any]:
     other = DeviceMesh("cpu", list(reversed(range(world))), mesh_dim_names=("dp",))
     dx = distribute_tensor(full_x, other, [Replicate()])
     out["grid"] = _message(lambda: step(w, dx, 1.0))
+    # the same grid, its axis named otherwise (another step's result)
+    named = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("ep",))
+    out["names"] = _message(lambda: step(w, distribute_tensor(full_x, named, [Replicate()]), 1.0))
     # ranks call different steps with the same argument shapes
     twice = sharded(lambda x: (x * 2).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())
     thrice = sharded(lambda x: (x * 3).sum(), mesh=mesh, in_specs=(P("dp"),), out_specs=P())

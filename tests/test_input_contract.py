@@ -156,6 +156,7 @@ def test_real_mode_contract_turns_silent_errors_and_hangs_into_errors():
         assert "different arguments" in r["scalar"] and "[[0], [1]]" in r["scalar"]
         assert "Differing: scale: ranks [0] 1.0; ranks [1] 2.0." in r["scalar"], r["scalar"]  # named
         assert "DeviceMesh [1, 0]" in r["grid"] and "[0, 1]" in r["grid"], r["grid"]
+        assert "names its axes ('dp',)" in r["names"] and "other ranks" not in r["names"], r["names"]
         assert "different arguments" in r["shape"], r["shape"]
         assert "x: ranks [0] a tensor (4, 4)" in r["shape"] and "ranks [1] a tensor (8, 4)" in r["shape"]
         assert "small CPU tensors" in r["tensor_lr"] and "[[0], [1]]" in r["tensor_lr"], r["tensor_lr"]
