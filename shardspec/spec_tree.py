@@ -50,7 +50,15 @@ def mismatch(spec: Any, value: Any, path: str) -> tuple[str, str] | None:
         return next((m for k in spec if (m := mismatch(spec[k], value[k], f"{path}[{k!r}]"))), None)
     if isinstance(spec, (list, tuple)):
         if type(spec) is not type(value):
-            return path, f"the spec is a {type(spec).__name__}, the value a {_describe(value)}"
+            detail = f"the spec is a {type(spec).__name__}, the value a {_describe(value)}"
+            kind = type(value)
+            if isinstance(value, tuple) and kind is not tuple and len(spec) == len(value):
+                detail += (
+                    f" (a named tuple of {len(value)}: give one P for all its fields, a spec of its own "
+                    f"type, {kind.__module__}.{kind.__qualname__}(({', '.join(['P(...)'] * len(value))})), "
+                    "or return tuple(...) of it)"
+                )
+            return path, detail
         if len(spec) != len(value):
             return path, f"{len(spec)} specs for {len(value)} values"
         return next(

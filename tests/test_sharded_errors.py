@@ -170,3 +170,17 @@ def test_a_shape_mistake_inside_the_step_names_its_line_without_a_logged_traceba
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "raised while tracing step" in notes and "return q @ torch.ones(3, 3)" in notes, notes
     assert not [r for r in caplog.records if "fake_tensor" in r.name], caplog.records
+
+
+def test_a_named_tuple_result_under_a_plain_tuple_spec_says_what_matches_it():
+    """``x.topk(2)`` returns ``torch.return_types.topk``: a plain tuple of specs does not match it,
+    and the error names the three spellings that do (one of which is then checked to work)."""
+    mesh = Mesh({"dp": 2}, simulate=True)
+    f = sharded(lambda x: x.topk(2), mesh=mesh, in_specs=(P("dp"),), out_specs=(P("dp"), P("dp")))
+    with pytest.raises(ShardingError, match=r"the value a topk \(a named tuple of 2: give one P") as info:
+        f(torch.randn(4, 5))
+    assert "torch.return_types.topk((P(...), P(...)))" in str(info.value)
+    spec = torch.return_types.topk((P("dp"), P("dp")))
+    x = torch.randn(4, 5)
+    got = sharded(lambda x: x.topk(2), mesh=mesh, in_specs=(P("dp"),), out_specs=spec)(x)
+    assert type(got) is torch.return_types.topk and torch.equal(got.values, x.topk(2).values)
