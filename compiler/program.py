@@ -240,6 +240,15 @@ def compile_program(
     for gm in dict.fromkeys(programs):  # without a pipeline a boundary is an identity
         drop_boundaries(gm)
     opts = program_passes.options(passes)
+    if opts.memory_budget is not None and not even:
+        raise fail(
+            f"sharded(memory_budget={opts.memory_budget:,}) needs every rank to hold blocks of one "
+            f"shape, but {_uneven_value(traced, tensor_specs, mesh)} is split unevenly, so ranks run "
+            "different programs.",
+            "make the split dimensions divisible by their axes' sizes (pad them), or drop "
+            "memory_budget (the default schedule gathers every parameter backward reads again: the "
+            "lowest peak).",
+        )
     programs = list(
         program_passes.schedule_programs(
             programs, local_inputs, opts, backward, remat, traced, donated, held_buckets
@@ -256,6 +265,20 @@ def compile_program(
         tuple(donated),
         cost_model=cost_model,
     )
+
+
+def _uneven_value(traced: Any, specs: list[P], mesh: Mesh) -> str:
+    """The first argument a spec splits unevenly, named with its shape and spec (else: a value
+    inside the step, which a ``constrain`` splits so)."""
+    for path, info, spec in zip(traced.in_paths, traced.inputs, specs, strict=True):
+        for dim, size in enumerate(info.shape):
+            axes = spec.axes_of(dim)
+            if axes and size % mesh.axis_size(axes):
+                return (
+                    f"{path} (shape {tuple(info.shape)}, spec {spec}: dim {dim} of size {size} over "
+                    f"{mesh.axis_size(axes)} devices)"
+                )
+    return "a value inside the step (a constrain's layout)"
 
 
 def _even(prop: Propagation, mesh: Mesh, graph: Any = None) -> bool:
