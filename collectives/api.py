@@ -9,6 +9,7 @@ result, indexed by rank.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar, overload
 
@@ -23,7 +24,27 @@ T = TypeVar("T", torch.Tensor, list[torch.Tensor])
 Axis = str | tuple[str, ...]
 
 
+def _not_traced(kind: str) -> None:
+    """A collective called by a sharded step's own code: the step's collectives come from its specs
+    (the same error as a traced one gets, here at once: under ``value_and_grad`` torch.func would
+    first fail on the op's missing derivative)."""
+    runtime = sys.modules.get("compiler.runtime")
+    tracing = runtime._TRACING.get() if runtime is not None else None
+    if tracing is not None:
+        axis = tracing.axis_names[0]
+        where = sys.modules["compiler.sources"].user_frame()
+        raise fail(
+            f"collectives.{kind} at {where} is one of shardspec's own collectives, called inside a "
+            "sharded step: "
+            "the step's collectives come from its specs, so it cannot be placed.",
+            "drop the collective and say the layout you want instead: constrain(x, P()) for a value "
+            f"whole on every device (a pending sum is reduced there), or constrain(x, P({axis!r})) to "
+            "split it.",
+        )
+
+
 def _norm_axes(kind: str, axis: Axis, mesh: Mesh) -> tuple[str, ...]:
+    _not_traced(kind)
     if not isinstance(mesh, Mesh):
         raise fail(
             f"{kind}: mesh= must be a shardspec.Mesh, got {type(mesh).__name__}.",

@@ -144,7 +144,7 @@ class PropagatorBase:
                         "its specs, so it cannot be placed.",
                         "drop the collective and say the layout you want instead: constrain(x, P()) "
                         "for a value whole on every device (a pending sum is reduced there), or "
-                        "constrain(x, P('dp')) to split it.",
+                        f"constrain(x, P({self.mesh.axis_names[0]!r})) to split it.",
                     ) from None
                 if self.unsupported != "replicate" and self.held_whole(node):
                     # every rank holds every operand whole: running it replicated moves nothing.

@@ -184,3 +184,23 @@ def test_a_named_tuple_result_under_a_plain_tuple_spec_says_what_matches_it():
     x = torch.randn(4, 5)
     got = sharded(lambda x: x.topk(2), mesh=mesh, in_specs=(P("dp"),), out_specs=spec)(x)
     assert type(got) is torch.return_types.topk and torch.equal(got.values, x.topk(2).values)
+
+
+def test_a_library_collective_in_a_steps_loss_is_refused_at_its_line_under_value_and_grad():
+    """Under value_and_grad, torch.func failed first on the op's missing derivative (an internal
+    error about autograd.Function); the documented error comes at the call, with the mesh's own
+    axis in the fix."""
+    import collectives
+    import shardspec
+
+    mesh = Mesh({"ep": 2}, simulate=True)
+
+    def loss_fn(w, x):
+        return collectives.all_reduce(x @ w, axis="ep", mesh=mesh).sum()
+
+    for step in (lambda w, x: shardspec.value_and_grad(loss_fn)(w, x)[0], loss_fn):
+        f = sharded(step, mesh=mesh, in_specs=(P(), P("ep")), out_specs=P())
+        with pytest.raises(ShardingError, match=r"own collectives, called inside a sharded step") as info:
+            f(torch.randn(3, 3), torch.randn(4, 3))
+        assert "return collectives.all_reduce(x @ w" in str(info.value)
+        assert "constrain(x, P('ep'))" in str(info.value)
