@@ -189,8 +189,19 @@ def _to_global(x: Any) -> Any:
 
     ranks = x.device_mesh.mesh.flatten().tolist()
     if len(ranks) == dist.get_world_size():
-        return x.full_tensor()
+        return _own(x.full_tensor(), x)
     mine = dist.get_rank() in ranks
-    value = x.full_tensor() if mine else torch.empty(x.shape, dtype=x.dtype, device=x.to_local().device)
+    value = (
+        _own(x.full_tensor(), x) if mine else torch.empty(x.shape, dtype=x.dtype, device=x.to_local().device)
+    )
     dist.broadcast(value, src=ranks[0])
+    return value
+
+
+def _own(value: torch.Tensor, x: Any) -> torch.Tensor:
+    """``value`` in storage of its own: a replicated DTensor's ``full_tensor()`` is its local tensor
+    itself, which a later step donating ``x`` (or this value) would overwrite under the caller."""
+    local = x._local_tensor
+    if value.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and local.numel():
+        return value.clone()
     return value

@@ -318,3 +318,28 @@ def uneven_rejected_and_rank_dependent_program(rank: int, world: int) -> dict[st
     except ShardingError as e:
         out["hash"] = str(e)
     return out
+
+
+def to_global_snapshot_then_donate(rank: int, world: int) -> dict[str, bool]:
+    """A replicated result's to_global() kept across a step that donates that result: the kept
+    value must not change (full_tensor() of a replicated DTensor is its local tensor itself)."""
+    import shardspec
+    from shardspec import Mesh, P, optim, sharded, to_global
+
+    opt = optim.sgd(lr=0.5)
+
+    def step(params, state, x):
+        loss, grads = shardspec.value_and_grad(lambda p, x: ((x @ p["w"]) ** 2).mean())(params, x)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+
+    mesh = Mesh({"dp": world})
+    f = sharded(step, mesh=mesh, in_specs=(P(), P(), P("dp")), out_specs=(P(), P(), P()), donate=(0, 1))
+    g = torch.Generator().manual_seed(0)
+    params, x = {"w": torch.randn(4, 4, generator=g)}, torch.randn(8, 4, generator=g)
+    state = opt.init(params)
+    params, state, _ = f(params, state, x)
+    snap = to_global(params)["w"]
+    kept = snap.clone()
+    params, state, _ = f(params, state, x)  # donates the parameters the snapshot was taken of
+    return {"unchanged": torch.equal(snap, kept), "moved_on": not torch.equal(to_global(params)["w"], kept)}

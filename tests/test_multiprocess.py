@@ -79,3 +79,8 @@ def test_a_hung_rank_fails_at_the_deadline():
         run_distributed(fns.hang_on_rank_0, 2, timeout=3)
     assert time.monotonic() - start < 20
     assert "rank 0 was at" in str(info.value) and "hang_on_rank_0" in str(info.value)  # its stack
+
+
+def test_a_to_global_snapshot_survives_a_step_donating_its_dtensor():
+    for r in run_distributed(fns.to_global_snapshot_then_donate, 2, timeout=120):
+        assert r == {"unchanged": True, "moved_on": True}
