@@ -44,7 +44,8 @@ def spec_to_placements(
         if not axes:
             continue
         mesh_dims = [order[a] for a in axes]
-        if mesh_dims != sorted(mesh_dims):
+        splitting = [order[a] for a in axes if mesh.shape[a] > 1]  # a size-1 axis splits nothing
+        if splitting != sorted(splitting):
             in_order = tuple(sorted(axes, key=order.__getitem__))
             raise fail(
                 f"{name}: spec {spec} splits dim {dim} over {axes} (first major), but DTensor nests "
@@ -54,7 +55,7 @@ def spec_to_placements(
         if shape is not None and len(axes) > 1 and not _nested_matches_flat(shape[dim], mesh, axes):
             raise fail(
                 f"{name}: spec {spec} splits dim {dim} of size {shape[dim]} unevenly over {axes} "
-                f"(sizes {[mesh.shape[a] for a in axes]}); DTensor would chunk it per axis, which "
+                f"(axis sizes {[mesh.shape[a] for a in axes]}); DTensor would chunk it per axis, which "
                 "places the elements differently from shardspec's single torch.chunk split.",
                 f"make dim {dim} a multiple of {mesh.axis_size(axes)}, or split it over one axis.",
             )

@@ -13,6 +13,8 @@ def test_simple_specs():
     assert spec_to_placements(P(None, "dp"), m) == (Shard(1), Replicate())
     assert spec_to_placements(P(), m) == (Replicate(), Replicate())
     assert spec_to_placements(P(("dp", "tp")), m) == (Shard(0), Shard(0))
+    one = Mesh({"dp": 2, "tp": 1}, simulate=True)  # a size-1 axis may come in any order
+    assert spec_to_placements(P(("tp", "dp")), one) == (Shard(0), Shard(0))
 
 
 @given(st.data())
@@ -21,11 +23,18 @@ def test_round_trip_for_mesh_ordered_specs(data):
     ndim = data.draw(st.integers(0, 3))
     spec = data.draw(specs(mesh, ndim))
     order = {a: i for i, a in enumerate(mesh.axis_names)}
-    ordered = all(
-        list(spec.axes_of(d)) == sorted(spec.axes_of(d), key=order.__getitem__) for d in range(ndim)
-    )
+
+    def in_order(axes):
+        return list(axes) == sorted(axes, key=order.__getitem__)
+
+    ordered = all(in_order(spec.axes_of(d)) for d in range(ndim))
+    # a size-1 axis splits nothing: out of order, it is the same layout as in mesh order
+    splitting = all(in_order([a for a in spec.axes_of(d) if mesh.shape[a] > 1]) for d in range(ndim))
     if ordered:
         assert placements_to_spec(spec_to_placements(spec, mesh), mesh, ndim) == spec
+    elif splitting:
+        sorted_spec = P(*(tuple(sorted(spec.axes_of(d), key=order.__getitem__)) or None for d in range(ndim)))
+        assert placements_to_spec(spec_to_placements(spec, mesh), mesh, ndim) == sorted_spec
     else:
         with pytest.raises(ShardingError, match="mesh order"):
             spec_to_placements(spec, mesh)
