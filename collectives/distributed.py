@@ -31,7 +31,7 @@ from shardspec.mesh import Mesh
 
 F = TypeVar("F", bound=Callable[..., Any])
 _groups: dict[tuple[Mesh, tuple[str, ...]], dict[tuple[int, ...], Any]] = {}
-_pending: dict[int, Any] = {}
+_pending: dict[tuple[int, int], Any] = {}  # (storage, first element) -> work
 _REDUCE = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.SUM,
@@ -319,8 +319,8 @@ def all_to_all(
 
 def _issued(work: Any, result: torch.Tensor, async_op: bool) -> torch.Tensor:
     """``result`` once ``work`` completes: at once, or at ``wait(result)`` when async."""
-    if async_op and result.numel():  # pending works are keyed by storage: 0 for every empty one
-        _pending[result.untyped_storage().data_ptr()] = work
+    if async_op and result.numel():  # pending works are keyed by address: 0 for every empty one
+        _pending[(result.untyped_storage().data_ptr(), result.data_ptr())] = work
     else:
         _finish(work)
     return result
@@ -413,9 +413,15 @@ def set_wait_timeout(seconds: float | None) -> None:
 
 def wait(x: torch.Tensor) -> None:
     """Complete an async collective whose output is (a view of) ``x``; no-op otherwise."""
-    work = _pending.pop(x.untyped_storage().data_ptr(), None)
+    storage = x.untyped_storage().data_ptr()
+    work = _pending.pop((storage, x.data_ptr()), None)
     if work is not None:
         _finish(work)
+        return
+    # a view of a result that starts elsewhere: every collective pending on that buffer (several
+    # results may share one: values the program placed in one buffer, reduced at once)
+    for key in [k for k in _pending if k[0] == storage]:
+        _finish(_pending.pop(key))
 
 
 def _finish(work: Any) -> None:

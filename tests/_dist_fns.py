@@ -113,7 +113,23 @@ def async_and_p2p(rank: int, world: int) -> dict[str, object]:
         got = None
     else:
         got = C.recv((4, 2), torch.float32, axis="pp", src=0, mesh=mesh)
-    return {"gathered": gathered, "reduced": reduced, "got": got}
+    # two in-place all-reduces of parts of one buffer in flight at once (values a program placed in
+    # one held bucket): each is its own pending work, completed by its own wait
+    from collectives import distributed
+
+    buf = torch.arange(8.0) * (rank + 1)
+    first = torch.ops.shardspec.all_reduce_inplace(buf[:4], axis="pp", mesh=ops_key(mesh), async_op=True)
+    second = torch.ops.shardspec.all_reduce_inplace(buf[4:], axis="pp", mesh=ops_key(mesh), async_op=True)
+    both = len(distributed._pending) == 2
+    C.wait(second)
+    C.wait(first)
+    return {"gathered": gathered, "reduced": reduced, "got": got, "both": both, "buf": buf}
+
+
+def ops_key(mesh: object) -> str:
+    from collectives import ops
+
+    return ops.mesh_key(mesh)
 
 
 def pairwise_exchanges(rank: int, world: int) -> dict[str, object]:

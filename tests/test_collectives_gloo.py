@@ -50,6 +50,7 @@ def test_async_wait_and_send_recv_on_gloo():
     for r in (r0, r1):
         assert torch.equal(r["gathered"], want)
         assert torch.equal(r["reduced"], torch.ones(4, 2))
+        assert r["both"] and torch.equal(r["buf"], torch.arange(8.0) * 3)
     assert torch.equal(r1["got"], torch.full((4, 2), 10.0))
 
 

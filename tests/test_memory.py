@@ -152,6 +152,13 @@ def test_pass_options_name_the_memory_trade():
     assert cp.options(None).regather and cp.options(None).zero_bucket_bytes is None
     assert not cp.options({"regather": False}).regather
     assert dataclasses.replace(cp.PassOptions(), zero_bucket_bytes=1 << 20).zero_bucket_bytes == 1 << 20
+    for off in ("False", "off", 0, None):  # each would count as on (or as an error later)
+        not_bool = r"'pack_early': .*\}\) is not True or False"
+        with pytest.raises(shardspec.ShardingError, match=not_bool):
+            cp.options({"pack_early": off})
+    import numpy as np
+
+    assert not cp.options({"pack_early": np.bool_(False)}).pack_early
 
 
 class _LiveStorage(TorchDispatchMode):  # type: ignore[misc]

@@ -68,7 +68,7 @@ def train(rank: int, world: int, strategy: str) -> dict[str, object]:
         def run_node(self, n):
             if n.target is torch.ops.shardspec.wait.default:
                 x = self.env[n.args[0]]
-                pending_at_wait.append(x.untyped_storage().data_ptr() in distributed._pending)
+                pending_at_wait.append((x.untyped_storage().data_ptr(), x.data_ptr()) in distributed._pending)
             return super().run_node(n)
 
     with torch.no_grad():

@@ -100,6 +100,13 @@ def options(spec: Any) -> PassOptions:
             )
         if "memory_budget" in spec:
             check_budget(spec["memory_budget"])
+        for key in (*NAMES, "pack_early"):
+            switch = spec.get(key, True)
+            if type(switch).__name__ not in ("bool", "bool_"):  # numpy's bool too
+                raise fail(
+                    f"sharded(passes={{{key!r}: {shown(switch)}}}) is not True or False.",
+                    f"pass {key!r}: True or False (a string such as 'False' counts as true).",
+                )
         sizes = {}
         for key in ("bucket_bytes", "zero_bucket_bytes"):
             size = spec.get(key)

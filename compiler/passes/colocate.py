@@ -115,7 +115,7 @@ def _colocate(gm: GraphModule, buf: Node) -> None:
     regions = _regions(buf, pos)
     if regions is None:
         return
-    root = liveness.roots(nodes)
+    root = liveness.roots(nodes, may_alias=True)  # a value's reads through anything aliasing it
     last = liveness.last_reads(nodes, root)
     escaping = liveness.result_roots(gm)
     latest = max(r.written for r in regions)

@@ -24,15 +24,19 @@ from compiler.passes.graph import alias_source, aliases_input, val
 _READ_UNTIL_WAIT = {torch.ops.shardspec.all_gather.default, torch.ops.shardspec.reduce_scatter.default}
 
 
-def roots(nodes: list[Node]) -> dict[Node, Node]:
+def roots(nodes: list[Node], may_alias: bool = False) -> dict[Node, Node]:
     """Each node -> the node whose buffer its value lives in (a repeated ``getitem`` of one result
-    of a multi-output op: the first)."""
+    of a multi-output op: the first). By default an op that may return a view is one where the fake
+    values share storage (a ``reshape`` that copied is a buffer of its own), which is what memory
+    counts; ``may_alias``: wherever its schema allows (a custom op's fake may give a fresh storage
+    for what really is its input, as ``all_reduce_inplace``'s does), what reusing a buffer needs."""
     root: dict[Node, Node] = {}
     first: dict[tuple[Node, object], Node] = {}
     for n in nodes:
         src = alias_source(n)
         alias = n.op == "call_function" and src is not None and aliases_input(n)
-        root[n] = root[src] if alias and src is not None and _shares_storage(n, src) else n
+        shared = alias and src is not None and (may_alias or _shares_storage(n, src))
+        root[n] = root[src] if shared and src is not None else n
         if n.target is operator.getitem and root[n] is n and src is not None:
             root[n] = first.setdefault((src, n.args[1]), n)
     return root
