@@ -70,6 +70,23 @@ def _step(cfg):
     return step
 
 
+def _hold_buckets(monkeypatch):
+    """Compile as a real mesh's eager runtime does (held buckets, so colocate runs), on a simulated
+    mesh, whose per-call bucket is as good a scratch buffer."""
+    compile_program = runtime.compile_program
+    monkeypatch.setattr(
+        runtime, "compile_program", lambda *a, **k: compile_program(*a, **{**k, "held_buckets": True})
+    )
+
+
+def _same_bits_when_held(monkeypatch, run):
+    """``run()`` (a few steps, their results' leaves) gives the same bits with colocate as without."""
+    want = run()
+    _hold_buckets(monkeypatch)
+    for a, b in zip(run(), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("donate", [(), (0, 1)])
 def test_a_program_with_colocated_values_computes_the_same_bits(monkeypatch, donate):
     """The pass runs where buckets are held (a real mesh's eager runtime); here it is forced on a
@@ -98,10 +115,7 @@ def test_a_program_with_colocated_values_computes_the_same_bits(monkeypatch, don
 
     plain = make()
     want = run(plain)
-    compile_program = runtime.compile_program
-    monkeypatch.setattr(
-        runtime, "compile_program", lambda *a, **k: compile_program(*a, **{**k, "held_buckets": True})
-    )
+    _hold_buckets(monkeypatch)
     held = make()
     got = run(held)
     for a, b in zip(got, want, strict=True):
@@ -156,13 +170,7 @@ def test_a_gradient_reduced_in_place_on_its_own_is_not_taken_for_dead(monkeypatc
             p, s, loss = f(p, s, x, y)
         return optree.tree_leaves((p, s, loss))
 
-    want = run()
-    compile_program = runtime.compile_program
-    monkeypatch.setattr(
-        runtime, "compile_program", lambda *a, **k: compile_program(*a, **{**k, "held_buckets": True})
-    )
-    for a, b in zip(run(), want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _same_bits_when_held(monkeypatch, run)
 
 
 def test_values_read_through_views_made_of_functionalized_copies_stay_live(monkeypatch):
@@ -201,13 +209,7 @@ def test_values_read_through_views_made_of_functionalized_copies_stay_live(monke
             p, s, loss = f(p, s, tok, tok.roll(1, 1))
         return optree.tree_leaves((p, s, loss))
 
-    want = run()
-    compile_program = runtime.compile_program
-    monkeypatch.setattr(
-        runtime, "compile_program", lambda *a, **k: compile_program(*a, **{**k, "held_buckets": True})
-    )
-    for a, b in zip(run(), want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _same_bits_when_held(monkeypatch, run)
 
 
 TP_OPT = optim.adamw(lr=1e-2)
