@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from collectives import accounting, pairwise
+from collectives import accounting, pairwise, same_host
 from shardspec.errors import fail
 from shardspec.layout import chunk_bounds, chunk_sizes
 from shardspec.mesh import Mesh
@@ -171,6 +171,8 @@ def all_gather(
         front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
     out = front.new_empty((g.n * longest, *front.shape[1:]))
     even = all(n == longest for n in lengths)
+    if even and g.identity and (h := same_host.host(g.pg, out.device)):
+        return _dense(same_host.all_gather(h, front, out), dim)
     if even and pairwise.usable(g.pg, g.n):
         exchange = pairwise.all_gather(g.pg, g.by_pos[1 - g.pos], g.pos, front, out)
         return _issued_dense(exchange, out, dim, async_op)
@@ -218,7 +220,11 @@ def reduce_scatter(
     front = _front(x, dim)
     length = front.shape[0]
     block = -(-length // g.n)
-    if length == block * g.n and pairwise.usable(g.pg, g.n):
+    even = length == block * g.n
+    if even and g.identity and (h := same_host.host(g.pg, front.device)):
+        out = front.new_empty((block, *front.shape[1:]))
+        return _dense(same_host.reduce_scatter(h, front, out, op), dim)
+    if even and pairwise.usable(g.pg, g.n):
         out = front.new_empty((block, *front.shape[1:]))
         exchange = pairwise.reduce_scatter(g.pg, g.by_pos[1 - g.pos], g.pos, front, out, op)
         return _issued_dense(exchange, out, dim, async_op)
@@ -267,6 +273,8 @@ def all_reduce_inplace(
 def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch.Tensor:
     if g.n == 1:
         return buf
+    if h := same_host.host(g.pg, buf.device):
+        return same_host.all_reduce(h, buf, op, [g.pos_of_grank.index(p) for p in range(g.n)])
     work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=True)
     if async_op and op != "avg":
         return _issued(work, buf, async_op)
@@ -424,6 +432,24 @@ def wait(x: torch.Tensor) -> None:
         _finish(_pending.pop(key))
 
 
+def wait_seconds() -> float | None:
+    """The running step's timeout for a collective (None outside a step, or on NCCL)."""
+    return _WAIT_TIMEOUT[0]
+
+
+def timed_out(seconds: float, detail: str) -> Exception:
+    """The error of a collective that did not complete within ``seconds``; the group is marked
+    broken, as the collective stays posted."""
+    mark_broken(f"a collective of a step did not complete within {seconds:g} s.")
+    return fail(
+        f"a collective of the step did not complete within {seconds:g} s ({detail}): a peer "
+        "raised inside the step, died, or fell that far behind. The collective stays posted, so "
+        "this process group cannot run another collective.",
+        "end the job and start it again (torchrun restarts it; resume from the last checkpoint); "
+        "for ranks that are only slow, raise sharded(..., timeout=...).",
+    )
+
+
 def _finish(work: Any) -> None:
     """Wait for ``work`` within the running step's timeout (every collective here is issued async
     and completed through this, so none waits longer)."""
@@ -434,11 +460,4 @@ def _finish(work: Any) -> None:
     try:
         work.wait(timeout=datetime.timedelta(seconds=seconds))
     except RuntimeError as exc:
-        mark_broken(f"a collective of a step did not complete within {seconds:g} s.")
-        raise fail(
-            f"a collective of the step did not complete within {seconds:g} s ({exc}): a peer "
-            "raised inside the step, died, or fell that far behind. The collective stays posted, so "
-            "this process group cannot run another collective.",
-            "end the job and start it again (torchrun restarts it; resume from the last checkpoint); "
-            "for ranks that are only slow, raise sharded(..., timeout=...).",
-        ) from None
+        raise timed_out(seconds, str(exc)) from None

@@ -11,6 +11,7 @@ from tests import _dist_fns as fns
 from tests.collective_cases import call, cases, expected, inputs
 
 pytestmark = pytest.mark.multiprocess
+GLOO = {"SHARDSPEC_SAME_HOST": "0"}  # gloo's own collectives (and the two-rank exchanges)
 
 
 def _simulated_bytes(mesh, case) -> float:
@@ -19,11 +20,14 @@ def _simulated_bytes(mesh, case) -> float:
     return counter.total_bytes_per_rank
 
 
+@pytest.mark.parametrize("env", [{}, GLOO], ids=["same-host", "gloo"])
 @pytest.mark.parametrize("axes", [{"x": 2}, {"dp": 2, "tp": 2}], ids=["2 procs", "4 procs dp x tp"])
-def test_gloo_matches_reference_and_simulated(axes):
+def test_gloo_matches_reference_and_simulated(axes, env):
+    """Bit-exact against the simulated backend through either transport (the same-host one
+    combines in group position order, as the simulated mesh does)."""
     sim = Mesh(axes, simulate=True)
     batch = cases(sim)
-    results = run_distributed(fns.run_collective_cases, sim.size, args=(axes,), timeout=240)
+    results = run_distributed(fns.run_collective_cases, sim.size, args=(axes,), timeout=240, env=env)
     failures = []
     for i, case in enumerate(batch):
         want = expected(case, sim)
@@ -44,13 +48,18 @@ def test_gloo_matches_reference_and_simulated(axes):
     assert len(batch) >= 70
 
 
-def test_async_wait_and_send_recv_on_gloo():
-    r0, r1 = run_distributed(fns.async_and_p2p, 2, timeout=60)
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["same-host", "gloo"])
+def test_async_wait_and_send_recv_on_gloo(same_host):
+    """Through gloo, two in-place all-reduces of one buffer's parts are each pending on their own;
+    the same-host transport completes a collective when it is issued, so nothing is pending."""
+    env = {"SHARDSPEC_SAME_HOST": same_host}
+    r0, r1 = run_distributed(fns.async_and_p2p, 2, timeout=60, env=env)
     want = torch.cat([torch.zeros(4, 2), torch.ones(4, 2)])
     for r in (r0, r1):
         assert torch.equal(r["gathered"], want)
         assert torch.equal(r["reduced"], torch.ones(4, 2))
-        assert r["both"] and torch.equal(r["buf"], torch.arange(8.0) * 3)
+        assert r["pending"] == (2 if same_host == "0" else 0)
+        assert torch.equal(r["buf"], torch.arange(8.0) * 3)
     assert torch.equal(r1["got"], torch.full((4, 2), 10.0))
 
 
@@ -72,15 +81,16 @@ def test_review_regressions_on_gloo():
 def test_two_rank_gloo_groups_exchange_point_to_point():
     """Two-rank gloo groups run all-gather and reduce-scatter as one tagged send/receive pair
     (faster than gloo's collectives; see collectives/pairwise.py), with other point-to-point
-    traffic on the same group posted while they are in flight; four-rank groups keep c10d's."""
-    r = run_distributed(fns.pairwise_exchanges, 2, timeout=60)
+    traffic on the same group posted while they are in flight; four-rank groups keep c10d's. (On
+    one host the same-host transport comes first: it is turned off here.)"""
+    r = run_distributed(fns.pairwise_exchanges, 2, timeout=60, env=GLOO)
     x = [torch.arange(6.0).reshape(3, 2) + 10 * rank for rank in range(2)]
     for rank in range(2):
         assert torch.equal(r[rank]["gathered"], torch.cat(x, 1))
         assert torch.equal(r[rank]["scattered"], (x[0] + x[1]).t()[rank : rank + 1])
         assert torch.equal(r[rank]["shifted"], torch.full((5,), float(1 - rank)))
         assert r[rank]["posted"] == 2
-    r = run_distributed(fns.pairwise_exchanges, 4, timeout=60)
+    r = run_distributed(fns.pairwise_exchanges, 4, timeout=60, env=GLOO)
     for rank in range(4):  # dp groups {0, 2} {1, 3}; tp groups {0, 1} {2, 3}
         dp_peers = [rank % 2, rank % 2 + 2]
         assert torch.equal(r[rank]["dp"], torch.cat([torch.full((4, 2), float(p)) for p in dp_peers]))
@@ -91,7 +101,7 @@ def test_two_rank_gloo_groups_exchange_point_to_point():
 
 
 def test_two_rank_exchanges_at_their_edges():
-    r = run_distributed(fns.pairwise_edges, 2, timeout=60)
+    r = run_distributed(fns.pairwise_edges, 2, timeout=60, env=GLOO)
     total = 2 * torch.arange(8.0) + 100
     for rank in range(2):
         assert torch.equal(r[rank]["written_after_issue"], total[4 * rank : 4 * rank + 4])
