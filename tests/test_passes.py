@@ -345,3 +345,47 @@ def test_bucketing_packs_values_unpacked_from_an_earlier_bucket():
     a, b = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
     for got in two(a, b):
         torch.testing.assert_close(got, a @ b)
+
+
+def test_layer_norm_weight_and_bias_gradients_come_from_the_fused_kernel():
+    """``norm_grads``: on each rank the weight and bias gradient sums the trace writes go back into
+    ``native_layer_norm_backward`` (its sub and two muls are gone), with the batch split or not and
+    the results equal; with ``views`` off the sums stay."""
+    import torch.nn.functional as F
+
+    aten = torch.ops.aten
+
+    def loss(p, x):
+        h = F.layer_norm(x @ p["m"], (8,), p["w"], p["b"])  # its input's gradient is asked for too
+        return (h * h.flip(-1)).sum()
+
+    def step(p, x):
+        return shardspec.value_and_grad(loss)(p, x)
+
+    g = torch.Generator().manual_seed(0)
+    p = {
+        "w": torch.randn(8, generator=g),
+        "b": torch.randn(8, generator=g),
+        "m": torch.randn(8, 8, generator=g),
+    }
+    x = torch.randn(4, 3, 8, generator=g)
+    want = step(p, x)
+    for n in (1, 2):
+        counts = {}
+        for views in (True, False):
+            f = sharded(
+                step,
+                mesh=Mesh({"dp": n}, simulate=True),
+                in_specs=(P(), P("dp")),
+                out_specs=(P(), P()),
+                passes={"views": views},
+            )
+            gm = f.lower(p, x).program.programs[0]
+            (kernel,) = [n for n in gm.graph.nodes if n.target is aten.native_layer_norm_backward.default]
+            assert list(kernel.args[7]) == ([True, True, True] if views else [True, False, False])
+            counts[views] = sum(n.target in (aten.sub.Tensor, aten.mul.Tensor) for n in gm.graph.nodes)
+            got = f(p, x)
+            torch.testing.assert_close(got[0], want[0])
+            for k in p:
+                torch.testing.assert_close(got[1][k], want[1][k])
+        assert counts[False] - counts[True] == 3

@@ -2,7 +2,8 @@
 
 | pass        | what it does                                                                 | default |
 |-------------|------------------------------------------------------------------------------|---------|
-| ``views``   | functionalization's ``*_copy`` ops become views (``view_copy`` -> reshape)     | on      |
+| ``views``   | functionalization's ``*_copy`` ops become views (``view_copy`` -> reshape);    | on      |
+|             | layer norm's weight/bias gradient sums go back into its kernel (``norm_grads``)|         |
 | ``remat``   | a ``shardspec.remat`` region's values backward reads are recomputed there      | on      |
 | ``regather``| a parameter gathered for forward and backward is gathered again for backward   | on      |
 | ``cast``    | a narrowing cast after a gather moves before it; gradient ``reduce_dtype``     | on      |
@@ -44,6 +45,7 @@ import torch
 from torch.fx import GraphModule
 
 from collectives.ops import fake_rank
+from compiler.passes.arena import arena_
 from compiler.passes.bucketing import bucketing, bucketing_
 from compiler.passes.budget import check_budget, fewest_regathers
 from compiler.passes.cast import cast, cast_
@@ -52,6 +54,7 @@ from compiler.passes.donate import donate_
 from compiler.passes.graph import LAUNCHES, annotate, copy_module
 from compiler.passes.inplace import inplace, inplace_
 from compiler.passes.liveness import peak as live_peak
+from compiler.passes.norm_grads import norm_grads_
 from compiler.passes.overlap import overlap, overlap_
 from compiler.passes.pack_early import pack_early, pack_early_
 from compiler.passes.regather import candidates, mark_backward, regather, regather_
@@ -77,6 +80,7 @@ class PassOptions:
     zero_bucket_bytes: int | None = None
     reduce_dtype: torch.dtype | None = None  # gradient reductions in this dtype (None: as computed)
     pack_early: bool = True  # a gradient copied into its bucket as soon as computed (with bucket)
+    arena: bool = True  # large intermediates at planned offsets of a buffer held between calls
     memory_budget: int | None = None  # peak bytes per rank: regather chosen per parameter to fit
 
 
@@ -100,7 +104,7 @@ def options(spec: Any) -> PassOptions:
             )
         if "memory_budget" in spec:
             check_budget(spec["memory_budget"])
-        for key in (*NAMES, "pack_early"):
+        for key in (*NAMES, "pack_early", "arena"):
             switch = spec.get(key, True)
             if type(switch).__name__ not in ("bool", "bool_"):  # numpy's bool too
                 raise fail(
@@ -146,8 +150,8 @@ def options(spec: Any) -> PassOptions:
     raise fail(
         f"sharded(passes={shown(spec)}) names no pass option ({sorted(map(shown, unknown))}).",
         f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
-        "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes', 'reduce_dtype', 'pack_early' and "
-        "'memory_budget').",
+        "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes', 'reduce_dtype', 'pack_early', "
+        "'arena' and 'memory_budget').",
     )
 
 
@@ -193,6 +197,7 @@ def optimize(
     gm = copy_module(gm)  # once: the passes below rewrite this copy in place (each also exists pure)
     if opts.views:
         views_(gm)
+        norm_grads_(gm)
     if opts.regather or (opts.remat and regions) or opts.reduce_dtype is not None:
         mark_backward(gm, set(backward))
     if opts.remat and regions:
@@ -221,6 +226,8 @@ def optimize(
         dense_kernel_inputs_(gm)
     if held_buckets and opts.bucket and opts.pack_early:
         colocate_(gm)
+    if held_buckets and opts.arena:
+        arena_(gm)
     gm.recompile()
     return gm
 
