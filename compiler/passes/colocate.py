@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 from compiler.passes import liveness
 from compiler.passes.graph import aliases_input, make, val
@@ -120,7 +120,9 @@ def _colocate(gm: GraphModule, buf: Node) -> None:
     escaping = liveness.result_roots(gm)
     latest = max(r.written for r in regions)
     chosen = [
-        n for n in nodes[:latest] if _candidate(n, root, escaping, bucket) and last.get(n, pos[n]) < latest
+        n
+        for n in nodes[:latest]
+        if candidate(n, root, escaping, bucket.dtype, bucket.device) and last.get(n, pos[n]) < latest
     ]
     values = [Value(val(n).numel(), pos[n], last.get(n, pos[n])) for n in chosen]
     offsets = place(values, regions, bucket.numel())
@@ -130,16 +132,20 @@ def _colocate(gm: GraphModule, buf: Node) -> None:
     buf.args = (like, *buf.args[1:])
     holder.prepend(buf)  # allocated (taken, when held) before the first value written into it
     for n, offset in zip(chosen, offsets, strict=True):
-        if offset is None:
-            continue
-        v = val(n)
-        with graph.inserting_before(n):
-            part = make(graph, aten.slice.Tensor, (buf, 0, offset, offset + v.numel()))
-            dest = make(graph, aten.view.default, (part, list(v.shape)))
-            into = make(graph, _out_overload(n), tuple(n.args), {**n.kwargs, "out": dest}, value=val(dest))
-        into.meta = {**n.meta, "val": val(dest)}
-        n.replace_all_uses_with(into)
-        graph.erase_node(n)
+        if offset is not None:
+            into_slice(graph, n, buf, offset)
+
+
+def into_slice(graph: Graph, n: Node, buf: Node, offset: int) -> None:
+    """``n`` computed by its ``out=`` overload into ``buf``'s elements from ``offset`` on."""
+    v = val(n)
+    with graph.inserting_before(n):
+        part = make(graph, aten.slice.Tensor, (buf, 0, offset, offset + v.numel()))
+        dest = make(graph, aten.view.default, (part, list(v.shape)))
+        into = make(graph, _out_overload(n), tuple(n.args), {**n.kwargs, "out": dest}, value=val(dest))
+    into.meta = {**n.meta, "val": val(dest)}
+    n.replace_all_uses_with(into)
+    graph.erase_node(n)
 
 
 def _regions(buf: Node, pos: dict[Node, int]) -> list[Region] | None:
@@ -163,7 +169,10 @@ def _regions(buf: Node, pos: dict[Node, int]) -> list[Region] | None:
     return regions
 
 
-def _candidate(n: Node, root: dict[Node, Node], escaping: set[Node], bucket: torch.Tensor) -> bool:
+def candidate(
+    n: Node, root: dict[Node, Node], escaping: set[Node], dtype: torch.dtype, device: torch.device
+) -> bool:
+    """A value of ``dtype`` on ``device`` that may be computed into a slice of another buffer."""
     v = val(n)
     return (
         n.op == "call_function"
@@ -171,8 +180,8 @@ def _candidate(n: Node, root: dict[Node, Node], escaping: set[Node], bucket: tor
         and n not in escaping
         and not aliases_input(n)
         and isinstance(v, torch.Tensor)
-        and v.dtype == bucket.dtype
-        and v.device == bucket.device
+        and v.dtype == dtype
+        and v.device == device
         and v.is_contiguous()
         and v.numel() * v.element_size() >= MIN_BYTES
         and _out_overload(n) is not None

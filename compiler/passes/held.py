@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from compiler.passes.arena import ARENA
 from compiler.passes.graph import copy_module
 from compiler.passes.liveness import result_roots
 
@@ -74,6 +75,8 @@ def hold_buckets(gm: GraphModule) -> GraphModule:
 def _holdable(n: Node) -> bool:
     if not (n.op == "call_function" and n.target is aten.new_empty.default and not n.kwargs):
         return False
+    if n.meta.get(ARENA):
+        return True
     if not n.meta.get("shardspec_flat_bucket"):
         return False
     users = list(n.users)
