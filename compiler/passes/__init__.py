@@ -25,7 +25,8 @@ Memory: with ``bucket``, each gradient is copied into its bucket's flat buffer a
 computed (``pack_early``; ``{"pack_early": False}`` packs the bucket when its last member is
 ready). On a real mesh's eager runtime, where DP's all-reduce buckets are held between calls
 (``held.py``), values that die before part of a bucket is written are computed into it
-(``colocate``; off with ``pack_early``). ``memory_budget`` (bytes per rank;
+(``colocate``; off with ``pack_early``), and the other large intermediates get fixed offsets in one
+buffer held between calls (``arena``; ``{"arena": False}`` turns it off). ``memory_budget`` (bytes per rank;
 ``sharded(memory_budget=...)`` sets it) makes ``regather`` a choice per parameter: the fewest
 parameters gathered again for backward that keep the predicted peak within the budget, or an error
 when no schedule fits (``passes/budget.py``).

@@ -8,8 +8,8 @@ that fragments (the resident set grows about 13 MiB beyond the step's live bytes
 avoids both; the rank holds the bucket between calls, as DDP does (the gradients are model state
 in ZeRO's count, 16Ψ for DP, so the formulas do not change).
 
-Applies to the flat buckets ``pack_early`` makes for an ``all_reduce_inplace`` (DP's and ZeRO-1's
-full gradients) whose storage no result of the program shares: a result in a held buffer would be
+Applies to ``arena.py``'s buffer and to the flat buckets ``pack_early`` makes for an
+``all_reduce_inplace`` (DP's and ZeRO-1's full gradients) whose storage no result of the program shares: a result in a held buffer would be
 overwritten by the next call. Reduce-scatter buckets stay per call: holding every one of them would
 keep the full gradients that ZeRO-2 and ZeRO-3 free. Only for a real mesh's process, which runs its
 rank's program alone: a simulated mesh runs one program object from every rank's thread.
