@@ -172,7 +172,8 @@ def all_gather(
     out = front.new_empty((g.n * longest, *front.shape[1:]))
     even = all(n == longest for n in lengths)
     if even and g.identity and (h := same_host.host(g.pg, out.device)):
-        return _dense(same_host.all_gather(h, front, out), dim)
+        work = same_host.Deferred(lambda: same_host.all_gather(h, front, out))
+        return _issued_dense(work, out, dim, async_op)
     if even and pairwise.usable(g.pg, g.n):
         exchange = pairwise.all_gather(g.pg, g.by_pos[1 - g.pos], g.pos, front, out)
         return _issued_dense(exchange, out, dim, async_op)
@@ -223,7 +224,8 @@ def reduce_scatter(
     even = length == block * g.n
     if even and g.identity and (h := same_host.host(g.pg, front.device)):
         out = front.new_empty((block, *front.shape[1:]))
-        return _dense(same_host.reduce_scatter(h, front, out, op), dim)
+        work = same_host.Deferred(lambda: same_host.reduce_scatter(h, front, out, op))
+        return _issued_dense(work, out, dim, async_op)
     if even and pairwise.usable(g.pg, g.n):
         out = front.new_empty((block, *front.shape[1:]))
         exchange = pairwise.reduce_scatter(g.pg, g.by_pos[1 - g.pos], g.pos, front, out, op)
@@ -274,7 +276,8 @@ def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch
     if g.n == 1:
         return buf
     if h := same_host.host(g.pg, buf.device):
-        return same_host.all_reduce(h, buf, op, [g.pos_of_grank.index(p) for p in range(g.n)])
+        order = [g.pos_of_grank.index(p) for p in range(g.n)]
+        return _issued(same_host.Deferred(lambda: same_host.all_reduce(h, buf, op, order)), buf, async_op)
     work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=True)
     if async_op and op != "avg":
         return _issued(work, buf, async_op)

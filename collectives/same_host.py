@@ -20,10 +20,17 @@ Each member reads the blocks the ring formulas count, so accounting is unchanged
 this path when every member runs on this host (same hostname, boot and PID namespace, x86-64, whose
 stores become visible in program order), the control block can be made in ``/dev/shm``, and a probe
 read between the members succeeds (a container may forbid it); ``SHARDSPEC_SAME_HOST=0`` turns it off
-(the members agree on the outcome: a member with it off turns it off for the group). Every collective
-of such a group takes it, however small (a meeting is a few microseconds where a gloo round trip is a
-fraction of a millisecond), so all members take the same path. The collective completes when it is
-issued: the caller's ``async_op`` overlap is given up for a transfer several times faster.
+(the members agree on the outcome: a member with it off turns it off for the group). On such a group
+``all_reduce`` takes it, and ``all_gather`` and ``reduce_scatter`` of even blocks in a group whose
+c10d order is its position order, however small (a meeting is a few microseconds where a gloo round
+trip is a fraction of a millisecond); uneven or reordered gathers and scatters, ``all_to_all``,
+``broadcast``, ``ppermute`` and send/recv stay on gloo. Every decision depends only on what the
+members share, so all take the same path. A synchronous collective runs when it is called, an
+``async_op`` one at its wait (``Deferred``): the transfer is several times faster than gloo's but does
+not overlap compute, and a program's waits come in the same order on every rank. Waiting for a peer
+spins, then sleeps, and checks now and then that the late peers' processes still exist: a peer that
+exited is an error at once, one that never arrives an error at the step's timeout (outside a step,
+the group's).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import platform
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +55,7 @@ PIECE_BYTES = 1 << 18  # combine in pieces that stay in cache between the read a
 ENV = "SHARDSPEC_SAME_HOST"
 SLOT = 8  # int64 words per member in the control block (a cache line): sequence, address
 _SHM = Path("/dev/shm")
+_PREFIX = "shardspec-"
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _COMBINE: dict[str, Callable[..., torch.Tensor]] = {
@@ -59,10 +68,11 @@ _readv: list[Any] = []
 
 
 class Host:
-    """One group's meeting place: the members' pids (c10d order) and the shared control block."""
+    """One group's meeting place: the members' pids (c10d order), the shared control block, and
+    the group's own timeout (for collectives called outside a step)."""
 
-    def __init__(self, pg: Any, pids: tuple[int, ...], block: mmap.mmap) -> None:
-        self.pg, self.pids, self.rank, self.n = pg, pids, dist.get_rank(pg), len(pids)
+    def __init__(self, rank: int, pids: tuple[int, ...], block: mmap.mmap, timeout: float) -> None:
+        self.rank, self.pids, self.n, self.timeout = rank, pids, len(pids), timeout
         self._block = block  # kept mapped for the slots' view
         self._slots = memoryview(block).cast("q")
         self._seq = 0
@@ -76,53 +86,85 @@ class Host:
         if address is not None:
             slots[mine + 1] = address
         slots[mine] = self._seq  # after the address (and the data): x86-64 keeps the store order
-        _wait_all(slots, self.n, self._seq)
+        self._wait_all()
         return [slots[r * SLOT + 1] for r in range(self.n)]
 
+    def _wait_all(self) -> None:
+        """Spin until every member's sequence number reaches this meeting's; after a few hundred
+        microseconds sleep between looks, so a late peer (or one sharing this core) gets the CPU,
+        and check now and then that the late peers' processes still exist."""
+        slots, seq, n = self._slots, self._seq, self.n
+        started = checked = 0.0
+        spins = 0
+        while any(slots[r * SLOT] < seq for r in range(n)):
+            spins += 1
+            if spins < 500:
+                continue
+            now = time.monotonic()
+            started = started or now
+            waited = now - started
+            if waited > (limit := self._limit()):
+                raise _expired(limit, "a peer never reached a same-host collective")
+            if now - checked > 0.01:
+                checked = now
+                for r in range(n):
+                    if slots[r * SLOT] < seq and not _alive(self.pids[r]):
+                        raise _expired(waited, f"the process of group rank {r} (pid {self.pids[r]}) exited")
+            time.sleep(0 if waited < 1e-3 else 5e-5 if waited < 0.1 else 1e-3)
 
-def _wait_all(slots: memoryview, n: int, seq: int) -> None:
-    """Spin until every member's sequence number reaches ``seq``; after a few hundred microseconds
-    sleep between looks, so a late peer (or one sharing this core) gets the CPU."""
-    started = 0.0
-    spins = 0
-    while any(slots[r * SLOT] < seq for r in range(n)):
-        spins += 1
-        if spins < 500:
-            continue
-        now = time.monotonic()
-        if not started:
-            started = now
-        waited = now - started
-        if waited > (limit := _limit()):
-            raise _expired(limit)
-        time.sleep(0 if waited < 1e-3 else 5e-5 if waited < 0.1 else 1e-3)
+    def _limit(self) -> float:
+        from collectives import distributed
+
+        seconds = distributed.wait_seconds()  # the running step's timeout
+        return seconds if seconds is not None else self.timeout
 
 
-def _limit() -> float:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _expired(seconds: float, detail: str) -> Exception:
     from collectives import distributed
 
-    seconds = distributed.wait_seconds()
-    return seconds if seconds is not None else dist.default_pg_timeout.total_seconds()
+    return distributed.timed_out(seconds, detail)
 
 
-def _expired(limit: float) -> Exception:
-    from collectives import distributed
+class Deferred:
+    """A collective issued with ``async_op``: it runs at its wait, as gloo's work has completed by
+    then, so the caller holds its input and output until that wait exactly as with gloo (what the
+    memory model counts). Its input must not change before the wait, as with c10d."""
 
-    return distributed.timed_out(limit, "a peer never reached a same-host collective")
+    def __init__(self, run: Callable[[], object]) -> None:
+        self._run: Callable[[], object] | None = run
+
+    def wait(self, timeout: object = None) -> bool:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
 
 
-_hosts: dict[tuple[int, str, int], Host | None] = {}
+# group -> (the process that probed it, its meeting place or None); weak: a destroyed group goes,
+# and a new group at its address is probed anew (keyed by address, one rank could find a stale entry)
+_hosts: weakref.WeakKeyDictionary[Any, tuple[int, Host | None]] = weakref.WeakKeyDictionary()
 
 
 def host(pg: Any, device: torch.device) -> Host | None:
     """The group's meeting place for a buffer on ``device``, or None (gloo's own collectives). The
-    first collective on a group probes it (a collective call on every member)."""
+    first collective on a group probes it (a collective call on every member); a forked child
+    probes anew."""
     if device.type != "cpu" or dist.get_backend(pg) != "gloo":
         return None
-    key = (id(pg), str(getattr(pg, "group_name", "")), os.getpid())  # a forked child probes anew
-    if key not in _hosts:
-        _hosts[key] = _probe(pg)
-    return _hosts[key]
+    entry = _hosts.get(pg)
+    if entry is None or entry[0] != os.getpid():
+        entry = _hosts[pg] = (os.getpid(), _probe(pg))
+    return entry[1]
 
 
 def _host_key() -> int:
@@ -175,9 +217,8 @@ def _pattern(pid: int) -> list[int]:
 
 def _probe(pg: Any) -> Host | None:
     """Every member on this host, able to read the others' memory and to map the control block
-    member 0 made: agreed by all (gloo round trips, once per group)."""
-    from collectives.distributed import _finish
-
+    member 0 made: agreed by all (gloo round trips, once per group). Member 0 removes its file once
+    every member has mapped it, or given up, or when the exchange raises."""
     rank, n = dist.get_rank(pg), dist.get_world_size(pg)
     enabled = (
         os.environ.get(ENV, "1") != "0"
@@ -186,18 +227,37 @@ def _probe(pg: Any) -> Host | None:
         and _SHM.is_dir()
     )
     token = int.from_bytes(os.urandom(7), "little")
-    path = _SHM / f"shardspec-{os.getpid()}-{token:x}"
-    block = _create(path, 4096 if rank == 0 and enabled else 0)
+    path = _SHM / f"{_PREFIX}{os.getpid()}-{token:x}"
+    if rank == 0 and enabled:
+        _remove_stale()
+    block = _create(path, 4096) if rank == 0 and enabled else None
+    try:
+        rows, mapped = _exchange(pg, rank, n, enabled and (rank > 0 or block is not None), token)
+    finally:
+        if block is not None:
+            path.unlink(missing_ok=True)
+    block = block if rank == 0 else mapped
+    if block is None or not rows:
+        return None
+    return Host(rank, tuple(row[0] for row in rows), block, _group_timeout(pg))
+
+
+def _exchange(pg: Any, rank: int, n: int, able: bool, token: int) -> tuple[list[list[int]], mmap.mmap | None]:
+    """Every member's (pid, host key, able, probe address, token) where all agreed that every
+    member is on this host and reads every other's probe (else no rows), and, on members other
+    than 0, member 0's control block, mapped before the agreement completes."""
+    from collectives.distributed import _finish
+
     probe = torch.tensor(_pattern(os.getpid()), dtype=torch.int64)
-    able = enabled and (rank > 0 or block is not None)
     mine = [os.getpid(), _host_key(), int(able), probe.data_ptr(), token]
     table = torch.empty(len(mine) * n, dtype=torch.int64)
     _finish(_all_gather_flat(table, torch.tensor(mine, dtype=torch.int64), group=pg, async_op=True))
     rows = table.view(n, len(mine)).tolist()
     ok = all(row[1] == rows[0][1] and row[2] for row in rows)
+    mapped = None
     if ok and rank > 0:
-        block = _open(_SHM / f"shardspec-{rows[0][0]}-{rows[0][4]:x}", 4096)
-        ok = block is not None
+        mapped = _open(_SHM / f"{_PREFIX}{rows[0][0]}-{rows[0][4]:x}", 4096)
+        ok = mapped is not None
     got = torch.empty_like(probe)
     for r, row in enumerate(rows):
         if ok and r != rank:
@@ -208,11 +268,23 @@ def _probe(pg: Any) -> Host | None:
             ok = ok and got.tolist() == _pattern(row[0])
     agreed = torch.tensor([int(ok)], dtype=torch.int64)
     _finish(dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=pg, async_op=True))  # after every read
-    if rank == 0 and block is not None:
-        path.unlink(missing_ok=True)  # every member has mapped it (or given up): no file is left
-    if not agreed.item() or block is None:
-        return None
-    return Host(pg, tuple(row[0] for row in rows), block)
+    return (rows, mapped) if agreed.item() else ([], None)
+
+
+def _group_timeout(pg: Any) -> float:
+    """The timeout the group was made with (c10d's default where it cannot be read)."""
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:
+        return dist.default_pg_timeout.total_seconds()
+
+
+def _remove_stale() -> None:
+    """Control-block files a process that died mid-probe left behind (its pid no longer exists)."""
+    for old in _SHM.glob(f"{_PREFIX}*"):
+        pid = old.name[len(_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            old.unlink(missing_ok=True)
 
 
 def _create(path: Path, size: int) -> mmap.mmap | None:

@@ -97,8 +97,8 @@ def _reference():
 @pytest.mark.parametrize("same_host", ["1", "0"], ids=["same-host", "gloo"])
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_passes_on_two_processes_match_a_single_process(strategy, same_host):
-    """Equal to one process through either transport; through gloo's own collectives the async
-    ones really are in flight at their waits, the same-host ones complete when issued."""
+    """Equal to one process through either transport, the async collectives really pending at their
+    waits (gloo's in flight, the same-host ones run there)."""
     want_params, want_losses = _reference()
     env = {"SHARDSPEC_SAME_HOST": same_host}
     for r in run_distributed(train, 2, args=(strategy,), timeout=240, env=env):
@@ -107,7 +107,7 @@ def test_passes_on_two_processes_match_a_single_process(strategy, same_host):
         for k in want_params:
             torch.testing.assert_close(r["params"][k], want_params[k], rtol=1e-5, atol=1e-6)
         assert r["sent"] == r["planned"]
-        assert r["waits"] >= 3 and (r["in_flight"] >= 1) == (same_host == "0")
+        assert r["waits"] >= 3 and r["in_flight"] >= 1
 
 
 def test_gradient_buckets_are_issued_before_backward_ends():

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import collectives as C
 from collectives import kernels
@@ -52,7 +53,7 @@ def exact(rank: int, world: int) -> dict[str, bool]:
         out[f"reduce_scatter dim 1 {dtype}"] = torch.equal(got, want)
         got = C.all_gather(rows[rank], dim=1, axis="x", mesh=mesh)
         out[f"all_gather dim 1 {dtype}"] = torch.equal(got, torch.cat(rows, 1)) and got.is_contiguous()
-    out["probed"] = any(h is not None for h in same_host._hosts.values())
+    out["probed"] = any(h is not None for _, h in same_host._hosts.values())
     out["no file"] = not any(p.name.startswith(f"shardspec-{os.getppid()}") for p in same_host._SHM.iterdir())
     return out
 
@@ -77,7 +78,7 @@ def permuted(rank: int, world: int) -> dict[str, object]:
     return {
         "equal": torch.equal(got, want) and bool(torch.equal(torch.signbit(got), torch.signbit(want))),
         "group": group,
-        "probed": any(h is not None for h in same_host._hosts.values()),
+        "probed": any(h is not None for _, h in same_host._hosts.values()),
     }
 
 
@@ -95,7 +96,7 @@ def one_member_off(rank: int, world: int) -> dict[str, object]:
         os.environ[same_host.ENV] = "0"
     mesh = Mesh({"x": world})
     got = C.all_reduce(torch.full((3,), float(rank)), axis="x", mesh=mesh)
-    return {"sum": got, "hosts": list(same_host._hosts.values())}
+    return {"sum": got, "hosts": [h for _, h in same_host._hosts.values()]}
 
 
 def test_one_member_with_it_off_turns_it_off_for_the_group():
@@ -123,3 +124,63 @@ def test_a_peer_that_never_arrives_is_the_timeout_error():
     waited, _ = run_distributed(absent_peer, 2, timeout=60)
     assert waited.startswith("ShardingError") and "did not complete within 1 s" in waited, waited
     assert "never reached a same-host collective" in waited
+
+
+def exiting_peer(rank: int, world: int, path: str) -> None:
+    """Rank 1 exits after the probe; rank 0, outside any step (no step timeout), must notice."""
+    import time
+    from pathlib import Path
+
+    mesh = Mesh({"x": world})
+    C.all_reduce(torch.ones(2), axis="x", mesh=mesh)
+    if rank == 1:
+        os._exit(0)
+    started = time.monotonic()
+    try:
+        C.all_reduce(torch.ones(2), axis="x", mesh=mesh)
+        message = "returned"
+    except Exception as exc:  # the message is the result
+        message = f"{type(exc).__name__}: {exc}"
+    Path(path).write_text(f"{time.monotonic() - started:.1f} {message}")
+    os._exit(0)  # its peer is gone: no barrier to end on
+
+
+def test_a_peer_that_exited_is_an_error_at_once_not_a_wait(tmp_path):
+    from shardspec.testing import DistributedTestError
+
+    out = tmp_path / "rank0.txt"
+    with pytest.raises(DistributedTestError):
+        run_distributed(exiting_peer, 2, args=(str(out),), timeout=15)
+    waited, message = out.read_text().split(" ", 1)
+    assert float(waited) < 5, message  # the group's timeout is 15 s
+    assert message.startswith("ShardingError") and "exited" in message, message
+
+
+def reinitialized(rank: int, world: int, off: str, folder: str) -> list[float]:
+    """Groups destroyed and made again in the same processes: each new group is probed anew (an
+    entry keyed by a recycled address made one rank skip the probe its peer ran: a hang)."""
+    import datetime
+
+    from collectives import same_host
+
+    os.environ[same_host.ENV] = off
+    got = []
+    for i in range(8):
+        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{folder}/group-{i}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=20),
+        )
+        junk = [object() for _ in range(rank * 3)]  # the allocators differ between the ranks
+        got.append(float(C.all_reduce(torch.full((2,), rank + 1.0), axis="x", mesh=Mesh({"x": world}))[0]))
+        del junk
+    return got
+
+
+@pytest.mark.parametrize("off", ["0", "1"], ids=["declined", "taken"])
+def test_groups_made_again_in_the_same_processes_are_probed_again(off, tmp_path):
+    for got in run_distributed(reinitialized, 2, args=(off, str(tmp_path)), timeout=120):
+        assert got == [3.0] * 8

@@ -9,10 +9,11 @@ avoids both; the rank holds the bucket between calls, as DDP does (the gradients
 in ZeRO's count, 16Ψ for DP, so the formulas do not change).
 
 Applies to ``arena.py``'s buffer and to the flat buckets ``pack_early`` makes for an
-``all_reduce_inplace`` (DP's and ZeRO-1's full gradients) whose storage no result of the program shares: a result in a held buffer would be
-overwritten by the next call. Reduce-scatter buckets stay per call: holding every one of them would
-keep the full gradients that ZeRO-2 and ZeRO-3 free. Only for a real mesh's process, which runs its
-rank's program alone: a simulated mesh runs one program object from every rank's thread.
+``all_reduce_inplace`` (DP's and ZeRO-1's full gradients) whose storage no result of the program
+shares: a result in a held buffer would be overwritten by the next call. Reduce-scatter buckets stay
+per call: holding every one of them would keep the full gradients that ZeRO-2 and ZeRO-3 free. Only
+for a real mesh's process, which runs its rank's program alone: a simulated mesh runs one program
+object from every rank's thread.
 """
 
 from __future__ import annotations
