@@ -453,6 +453,17 @@ def timed_out(seconds: float, detail: str) -> Exception:
     )
 
 
+def peer_exited(rank: int, pid: int) -> Exception:
+    """The error of a collective whose peer's process has exited; the group is marked broken."""
+    mark_broken("a peer of a collective of the step exited.")
+    return fail(
+        f"a collective of the step cannot complete: the process of group rank {rank} (pid {pid}) has "
+        "exited (it raised, was killed, or ended its program early). The collective stays posted, so "
+        "this process group cannot run another collective.",
+        "end the job and start it again (torchrun restarts it; resume from the last checkpoint).",
+    )
+
+
 def _finish(work: Any) -> None:
     """Wait for ``work`` within the running step's timeout (every collective here is issued async
     and completed through this, so none waits longer)."""

@@ -109,7 +109,9 @@ class Host:
                 checked = now
                 for r in range(n):
                     if slots[r * SLOT] < seq and not _alive(self.pids[r]):
-                        raise _expired(waited, f"the process of group rank {r} (pid {self.pids[r]}) exited")
+                        from collectives import distributed
+
+                        raise distributed.peer_exited(r, self.pids[r])
             time.sleep(0 if waited < 1e-3 else 5e-5 if waited < 0.1 else 1e-3)
 
     def _limit(self) -> float:
@@ -120,13 +122,21 @@ class Host:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie its parent has not reaped yet,
+    as a launcher's child is until the launcher looks, counts as exited)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:  # no /proc to read: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
 
 
 def _expired(seconds: float, detail: str) -> Exception:
