@@ -73,13 +73,15 @@ def _placed(gm: torch.fx.GraphModule) -> list[tuple[int, int, int, int]]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "passes"), [("zero3", None), ("dp", {"pack_early": False})], ids=["zero3", "dp"]
+    ("strategy", "passes"),
+    [("dp", {"pack_early": False}), ("dp", {"bucket": False})],
+    ids=["dp, gradients packed late", "dp, unbucketed"],
 )
 def test_arena_values_never_share_elements_while_live_and_compute_the_same_bits(
     monkeypatch, strategy, passes
 ):
     """(DP's bucket, filled from the first gradient on, takes the large values itself: with
-    ``pack_early`` off there is no such bucket.)"""
+    ``pack_early`` or ``bucket`` off there is no such bucket.)"""
     mesh = Mesh({"dp": 2}, simulate=True)
     want = _run(_make(strategy, mesh, passes))
     compile_program = runtime.compile_program  # as a real mesh's eager runtime compiles
@@ -109,7 +111,8 @@ def test_arena_values_never_share_elements_while_live_and_compute_the_same_bits(
 
 def _real(rank: int, world: int) -> dict[str, object]:
     mesh = Mesh({"dp": world})
-    on, off = _make("zero3", mesh), _make("zero3", mesh, {"arena": False})
+    on = _make("dp", mesh, {"pack_early": False})
+    off = _make("dp", mesh, {"pack_early": False, "arena": False})
     got, want = _run(on, 2), _run(off, 2)
     (plan,) = on._plans.values()
     arenas = [getattr(plan.held, n.target) for n in plan.held.graph.nodes if n.meta.get(ARENA)]
@@ -125,3 +128,16 @@ def _real(rank: int, world: int) -> dict[str, object]:
 def test_on_a_real_mesh_the_arena_is_held_and_results_match_without_it():
     for r in run_distributed(_real, 2, timeout=180):
         assert r["same"] and r["held"], r
+
+
+def test_zero_strategies_that_scatter_gradients_get_no_arena(monkeypatch):
+    """ZeRO-2/3 split state to hold less between calls; an arena would hold a step's worth."""
+    compile_program = runtime.compile_program
+    monkeypatch.setattr(
+        runtime, "compile_program", lambda *a, **k: compile_program(*a, **{**k, "held_buckets": True})
+    )
+    params = gpt.init(CFG)
+    f = _make("zero3", Mesh({"dp": 2}, simulate=True))
+    tok = torch.zeros(4, CFG.seq, dtype=torch.long)
+    gm = f.lower(params, OPT.init(params), tok, tok).program.programs[0]
+    assert not any(n.meta.get(ARENA) for n in gm.graph.nodes)

@@ -184,3 +184,12 @@ def reinitialized(rank: int, world: int, off: str, folder: str) -> list[float]:
 def test_groups_made_again_in_the_same_processes_are_probed_again(off, tmp_path):
     for got in run_distributed(reinitialized, 2, args=(off, str(tmp_path)), timeout=120):
         assert got == [3.0] * 8
+
+
+def test_the_transport_benchmark_runs_and_prints_both_ways(capsys):
+    from benchmarks import transport
+
+    transport.main(["--world", "2", "--sizes", "4096", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert f"| {kind} | 4096 |" in out
