@@ -172,8 +172,8 @@ def all_gather(
     out = front.new_empty((g.n * longest, *front.shape[1:]))
     even = all(n == longest for n in lengths)
     if even and g.identity and (h := same_host.host(g.pg, out.device)):
-        work = same_host.Deferred(lambda: same_host.all_gather(h, front, out))
-        return _issued_dense(work, out, dim, async_op)
+        same_host.all_gather(h, front, out)
+        return _issued_dense(same_host.Done(front, out), out, dim, async_op)
     if even and pairwise.usable(g.pg, g.n):
         exchange = pairwise.all_gather(g.pg, g.by_pos[1 - g.pos], g.pos, front, out)
         return _issued_dense(exchange, out, dim, async_op)
@@ -224,8 +224,8 @@ def reduce_scatter(
     even = length == block * g.n
     if even and g.identity and (h := same_host.host(g.pg, front.device)):
         out = front.new_empty((block, *front.shape[1:]))
-        work = same_host.Deferred(lambda: same_host.reduce_scatter(h, front, out, op))
-        return _issued_dense(work, out, dim, async_op)
+        same_host.reduce_scatter(h, front, out, op)
+        return _issued_dense(same_host.Done(front, out), out, dim, async_op)
     if even and pairwise.usable(g.pg, g.n):
         out = front.new_empty((block, *front.shape[1:]))
         exchange = pairwise.reduce_scatter(g.pg, g.by_pos[1 - g.pos], g.pos, front, out, op)
@@ -276,8 +276,8 @@ def _reduce_into(g: _Group, buf: torch.Tensor, op: str, async_op: bool) -> torch
     if g.n == 1:
         return buf
     if h := same_host.host(g.pg, buf.device):
-        order = [g.pos_of_grank.index(p) for p in range(g.n)]
-        return _issued(same_host.Deferred(lambda: same_host.all_reduce(h, buf, op, order)), buf, async_op)
+        same_host.all_reduce(h, buf, op, [g.pos_of_grank.index(p) for p in range(g.n)])
+        return _issued(same_host.Done(buf), buf, async_op)
     work = dist.all_reduce(buf, op=_REDUCE[op], group=g.pg, async_op=True)
     if async_op and op != "avg":
         return _issued(work, buf, async_op)
@@ -442,8 +442,17 @@ def wait_seconds() -> float | None:
 
 def timed_out(seconds: float, detail: str) -> Exception:
     """The error of a collective that did not complete within ``seconds``; the group is marked
-    broken, as the collective stays posted."""
+    broken, as the collective stays posted. Worded for a step's collective, or, outside a step
+    (no step timeout set), for one the program called itself."""
     mark_broken(f"a collective of a step did not complete within {seconds:g} s.")
+    if _WAIT_TIMEOUT[0] is None:
+        return fail(
+            f"a collective did not complete within {seconds:g} s, the process group's timeout "
+            f"({detail}): a peer raised, died, or fell that far behind. The collective stays posted, "
+            "so this process group cannot run another collective.",
+            "end the job and start it again; for ranks that are only slow, raise the group's "
+            "timeout (torch.distributed.init_process_group(timeout=...)).",
+        )
     return fail(
         f"a collective of the step did not complete within {seconds:g} s ({detail}): a peer "
         "raised inside the step, died, or fell that far behind. The collective stays posted, so "
@@ -455,9 +464,10 @@ def timed_out(seconds: float, detail: str) -> Exception:
 
 def peer_exited(rank: int, pid: int) -> Exception:
     """The error of a collective whose peer's process has exited; the group is marked broken."""
-    mark_broken("a peer of a collective of the step exited.")
+    mark_broken("a peer of a collective exited.")
+    where = "of the step " if _WAIT_TIMEOUT[0] is not None else ""
     return fail(
-        f"a collective of the step cannot complete: the process of group rank {rank} (pid {pid}) has "
+        f"a collective {where}cannot complete: the process of group rank {rank} (pid {pid}) has "
         "exited (it raised, was killed, or ended its program early). The collective stays posted, so "
         "this process group cannot run another collective.",
         "end the job and start it again (torchrun restarts it; resume from the last checkpoint).",

@@ -25,12 +25,12 @@ read between the members succeeds (a container may forbid it); ``SHARDSPEC_SAME_
 c10d order is its position order, however small (a meeting is a few microseconds where a gloo round
 trip is a fraction of a millisecond); uneven or reordered gathers and scatters, ``all_to_all``,
 ``broadcast``, ``ppermute`` and send/recv stay on gloo. Every decision depends only on what the
-members share, so all take the same path. A synchronous collective runs when it is called, an
-``async_op`` one at its wait (``Deferred``): the transfer is several times faster than gloo's but does
-not overlap compute, and a program's waits come in the same order on every rank. Waiting for a peer
-spins, then sleeps, and checks now and then that the late peers' processes still exist: a peer that
-exited is an error at once, one that never arrives an error at the step's timeout (outside a step,
-the group's).
+members share, so all take the same path. A collective runs when it is called, in issue order as c10d
+requires, an ``async_op`` one too (``Done`` holds its buffers until its wait): the transfer is several
+times faster than gloo's but does not overlap compute, and issuing waits for the peers to issue.
+Waiting for a peer spins, then sleeps, and checks now and then that the late peers' processes still
+exist: a peer that exited (also while being read) is an error at once, one that never arrives an
+error at the step's timeout (outside a step, the group's).
 """
 
 from __future__ import annotations
@@ -145,18 +145,16 @@ def _expired(seconds: float, detail: str) -> Exception:
     return distributed.timed_out(seconds, detail)
 
 
-class Deferred:
-    """A collective issued with ``async_op``: it runs at its wait, as gloo's work has completed by
-    then, so the caller holds its input and output until that wait exactly as with gloo (what the
-    memory model counts). Its input must not change before the wait, as with c10d."""
+class Done:
+    """A collective issued with ``async_op`` that already ran: it holds its buffers until its wait,
+    as gloo's work does (what the memory model counts). It ran when issued, in issue order, which
+    c10d already requires to match across ranks; waits may then come in any order on any rank."""
 
-    def __init__(self, run: Callable[[], object]) -> None:
-        self._run: Callable[[], object] | None = run
+    def __init__(self, *keep: torch.Tensor) -> None:
+        self._keep = keep
 
     def wait(self, timeout: object = None) -> bool:
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
+        self._keep = ()
         return True
 
 
@@ -207,6 +205,18 @@ def _reader() -> Any:
             fn.restype = ctypes.c_ssize_t
         _readv.append(fn)
     return _readv[0]
+
+
+def _read_from(h: Host, r: int, dst: int, src: int, nbytes: int) -> None:
+    """``_read`` from group rank ``r``: a peer that exited meanwhile is the peer-exited error."""
+    try:
+        _read(h.pids[r], dst, src, nbytes)
+    except OSError:
+        if not _alive(h.pids[r]):
+            from collectives import distributed
+
+            raise distributed.peer_exited(r, h.pids[r]) from None
+        raise
 
 
 def _read(pid: int, dst: int, src: int, nbytes: int) -> None:
@@ -350,7 +360,7 @@ def _combine_block(
                     combine(total, mine, out=total)
                 continue
             into = total if i == 0 else part
-            _read(h.pids[r], into.data_ptr(), addresses[r] + where, mine.nbytes)
+            _read_from(h, r, into.data_ptr(), addresses[r] + where, mine.nbytes)
             if i:
                 combine(total, part, out=total)
         if total is not mine:
@@ -366,10 +376,10 @@ def all_reduce(h: Host, buf: torch.Tensor, op: str, order: list[int]) -> torch.T
         addresses = h.meet(buf.data_ptr())
         _combine_block(flat[starts[rank] : starts[rank + 1]], h, addresses, starts[rank] * size, op, order)
         h.meet()  # every block combined
-        for r, pid in enumerate(h.pids):
+        for r in range(h.n):
             if r != rank and starts[r + 1] > starts[r]:
                 dst = flat[starts[r] :].data_ptr()
-                _read(pid, dst, addresses[r] + starts[r] * size, (starts[r + 1] - starts[r]) * size)
+                _read_from(h, r, dst, addresses[r] + starts[r] * size, (starts[r + 1] - starts[r]) * size)
         h.meet()  # no member reads this buffer any more
         if op == "avg":
             buf.div_(n)
@@ -396,8 +406,8 @@ def all_gather(h: Host, front: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out[h.rank * length : (h.rank + 1) * length].copy_(front)
         addresses = h.meet(front.data_ptr())
-        for r, pid in enumerate(h.pids):
+        for r in range(h.n):
             if r != h.rank:
-                _read(pid, out[r * length :].data_ptr(), addresses[r], front.nbytes)
+                _read_from(h, r, out[r * length :].data_ptr(), addresses[r], front.nbytes)
         h.meet()  # every member has read this rank's block
     return out

@@ -193,3 +193,26 @@ def test_the_transport_benchmark_runs_and_prints_both_ways(capsys):
     out = capsys.readouterr().out
     for kind in ("all_reduce", "reduce_scatter", "all_gather"):
         assert f"| {kind} | 4096 |" in out
+
+
+def waits_in_any_order(rank: int, world: int) -> dict[str, list[float]]:
+    """Async collectives pair by issue order, as c10d's do, whatever order each rank waits in; a
+    rank that never waits for one does not hold its peers up."""
+    mesh = Mesh({"x": world})
+    a = C.all_reduce(torch.full((4,), rank + 1.0), axis="x", mesh=mesh, async_op=True)
+    b = C.all_reduce(torch.full((1 << 16,), 100.0 + rank), axis="x", mesh=mesh, async_op=True)
+    first, second = (a, b) if rank == 0 else (b, a)
+    C.wait(first)
+    C.wait(second)
+    metric = C.all_reduce(torch.full((2,), float(rank)), axis="x", mesh=mesh, async_op=True)
+    grads = C.all_reduce(torch.full((3,), 10.0), axis="x", mesh=mesh)
+    if rank == 0:
+        C.wait(metric)  # only rank 0 waits for the metric
+    return {"a": a.tolist(), "b": b[:2].tolist(), "grads": grads.tolist(), "metric": metric.tolist()}
+
+
+def test_async_collectives_pair_by_issue_order_whatever_the_wait_order():
+    for rank, r in enumerate(run_distributed(waits_in_any_order, 2, timeout=60)):
+        assert r["a"] == [3.0] * 4 and r["b"] == [201.0] * 2 and r["grads"] == [20.0] * 3, r
+        if rank == 0:
+            assert r["metric"] == [1.0, 1.0]
