@@ -14,6 +14,8 @@ from collectives.distributed import pass_gate
 from compiler import inputs
 from compiler.backend import ResultWrapper, dtensor_type
 from compiler.inductor import runner
+from compiler.passes.fast_calls import fast_calls
+from compiler.passes.fast_gelu import fast_gelu
 from compiler.passes.held import hold_buckets
 from compiler.pipeline.real import stage_input, stage_results
 from compiler.program import Program
@@ -34,6 +36,7 @@ class _RealPlan:
     wrap: ResultWrapper  # the results' DTensor specs, built on the first call
     shared: _Shared  # results that may share storage with an argument, a constant or each other
     held: Any  # this rank's program with its all-reduce buckets held between calls (eager backend)
+    run: Any  # ``held`` as the eager backend calls it (``fast_gelu``, ``fast_calls``; same buffers)
 
 
 def _real_plan(program: Program) -> _RealPlan:
@@ -54,7 +57,8 @@ def _real_plan(program: Program) -> _RealPlan:
             [torch.empty(t.shape, device="meta").stride() for t, _, _ in outs],
         ),
         _aliased_results(program),
-        hold_buckets(program.programs[mesh.rank]),
+        held := hold_buckets(program.programs[mesh.rank]),
+        fast_calls(fast_gelu(held)),
     )
 
 
@@ -164,7 +168,7 @@ def _run_real(program: Program, plan: _RealPlan, tensors: list[Any], backend: st
             local.append(_block(t, where, device, own=i in program.donated))
     with torch.no_grad():
         outs = list(
-            plan.held(*local) if backend == "eager" else runner(program.programs[mesh.rank], backend)(*local)
+            plan.run(*local) if backend == "eager" else runner(program.programs[mesh.rank], backend)(*local)
         )
         if plan.shared.candidates:
             plan.shared.unshare(outs, local)
