@@ -51,9 +51,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardspec.errors import fail
+
 PIECE_BYTES = 1 << 18  # combine in pieces that stay in cache between the read and the add
 ENV = "SHARDSPEC_SAME_HOST"
-SLOT = 8  # int64 words per member in the control block (a cache line): sequence, address
+SLOT = 8  # int64 words per member in the control block (a cache line): sequence, address, and
+# two halves of (tag, word) for ``Host.exchange``
+NO_ADDRESS = -1  # published by an exchange, which has no buffer
 _SHM = Path("/dev/shm")
 _PREFIX = "shardspec-"
 
@@ -87,12 +91,35 @@ class Host:
             slots[mine + 1] = address
         slots[mine] = self._seq  # after the address (and the data): x86-64 keeps the store order
         self._wait_all()
-        return [slots[r * SLOT + 1] for r in range(self.n)]
+        got = [slots[r * SLOT + 1] for r in range(self.n)]
+        if address is not None and NO_ADDRESS in got:
+            raise _crossed(got.index(NO_ADDRESS))
+        return got
 
-    def _wait_all(self) -> None:
+    def exchange(self, word: int, limit: float) -> list[int] | None:
+        """Every member's ``word`` (an int64), at one meeting held in the control block: no buffer
+        is read, so a small agreement costs microseconds where a gloo round trip costs a fraction
+        of a millisecond. None when some member reached this meeting in another collective (the
+        ranks' calls differ). ``limit``: seconds to wait, then ``TimeoutError``.
+
+        Each member writes its word and this meeting's number as a tag into one of two halves of
+        its slot, by the meeting's parity: a peer still reading the previous exchange's half has
+        not reached the meeting between, which this member had to pass first."""
+        self._seq += 1
+        slots, mine, half = self._slots, self.rank * SLOT, 2 + 2 * (self._seq & 1)
+        slots[mine + 1] = NO_ADDRESS  # a peer in another collective fails instead of reading garbage
+        slots[mine + half], slots[mine + half + 1] = self._seq, word
+        slots[mine] = self._seq  # after the word: x86-64 keeps the store order
+        self._wait_all(limit)
+        if any(slots[r * SLOT + half] != self._seq for r in range(self.n)):
+            return None
+        return [slots[r * SLOT + half + 1] for r in range(self.n)]
+
+    def _wait_all(self, limit: float | None = None) -> None:
         """Spin until every member's sequence number reaches this meeting's; after a few hundred
         microseconds sleep between looks, so a late peer (or one sharing this core) gets the CPU,
-        and check now and then that the late peers' processes still exist."""
+        and check now and then that the late peers' processes still exist. Past ``limit`` seconds
+        (the running step's timeout, or the group's, when None) the wait is an error."""
         slots, seq, n = self._slots, self._seq, self.n
         started = checked = 0.0
         spins = 0
@@ -103,8 +130,10 @@ class Host:
             now = time.monotonic()
             started = started or now
             waited = now - started
-            if waited > (limit := self._limit()):
-                raise _expired(limit, "a peer never reached a same-host collective")
+            if waited > (bound := self._limit() if limit is None else limit):
+                if limit is not None:
+                    raise TimeoutError(limit)
+                raise _expired(bound, "a peer never reached a same-host collective")
             if now - checked > 0.01:
                 checked = now
                 for r in range(n):
@@ -139,6 +168,20 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
 
 
+def _crossed(rank: int) -> Exception:
+    """The error of a collective whose peer reached the same meeting in an agreement exchange."""
+    from collectives import distributed
+
+    distributed.mark_broken("a collective met another kind of collective on a peer.")
+    return fail(
+        f"a collective met group rank {rank} in a call's rank-agreement check instead of the same "
+        "collective: the ranks' calls differ (this rank calls a collective of its own where that rank "
+        "calls a sharded step). This process group cannot run another collective.",
+        "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` around "
+        "a collective call) and start the job again.",
+    )
+
+
 def _expired(seconds: float, detail: str) -> Exception:
     from collectives import distributed
 
@@ -161,6 +204,13 @@ class Done:
 # group -> (the process that probed it, its meeting place or None); weak: a destroyed group goes,
 # and a new group at its address is probed anew (keyed by address, one rank could find a stale entry)
 _hosts: weakref.WeakKeyDictionary[Any, tuple[int, Host | None]] = weakref.WeakKeyDictionary()
+
+
+def probed(pg: Any) -> Host | None:
+    """The group's meeting place if this process has probed the group already, else None (never
+    probes: a probe is a collective, which only a point every member reaches may start)."""
+    entry = _hosts.get(pg)
+    return entry[1] if entry is not None and entry[0] == os.getpid() else None
 
 
 def host(pg: Any, device: torch.device) -> Host | None:

@@ -1,9 +1,9 @@
 """Cross-rank agreement with a deadline: the primitive behind every "all ranks must match" check.
 
 One all-reduce (MAX of ``v`` and ``-v``) tells every rank at once whether all ranks hold the same small
-integer vector; only when they do not does a second collective fetch everyone's vector, so callers
-can name the rank groups. Waiting has a deadline, so a rank that never arrives becomes an error
-instead of a hang.
+integer vector (on one host, an exchange of its digest in shared memory); only when they do not does
+a second collective fetch everyone's vector, so callers can name the rank groups. Waiting has a
+deadline, so a rank that never arrives becomes an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -31,13 +31,17 @@ def wait(work: Any, timeout: float, what: str) -> None:
 
         # the check stays posted: a late peer's check, or this rank's next collective, would pair with it
         mark_broken(f"{what} did not complete within {timeout:g} s.")
-        raise fail(
-            f"{what} did not complete within {timeout:g} s ({exc}). Some rank did not call it, is still "
-            "busy with earlier work, or has died. The check stays posted, so this process group cannot "
-            "run another collective.",
-            "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` "
-            "around a collective call) and start the job again; raise the timeout for slow ranks.",
-        ) from None
+        raise _not_completed(what, timeout, str(exc)) from None
+
+
+def _not_completed(what: str, timeout: float, detail: str) -> Exception:
+    return fail(
+        f"{what} did not complete within {timeout:g} s ({detail}). Some rank did not call it, is still "
+        "busy with earlier work, or has died. The check stays posted, so this process group cannot "
+        "run another collective.",
+        "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` "
+        "around a collective call) and start the job again; raise the timeout for slow ranks.",
+    )
 
 
 _CHECK_GROUP: list[Any] = []
@@ -65,10 +69,17 @@ def start_disagreeing(
     values: torch.Tensor, timeout: float, what: str
 ) -> Callable[[], list[torch.Tensor] | None]:
     """``disagreeing`` in two halves: the all-reduce is issued now and the returned function waits
-    for it (and only on disagreement gathers every rank's vector), so work in between overlaps it."""
+    for it (and only on disagreement gathers every rank's vector), so work in between overlaps it.
+    Where the ranks share a host (``collectives.same_host``, once the group is probed) the check is
+    an exchange of one digest in shared memory instead, complete when this returns."""
     import torch.distributed as dist
 
+    from collectives import same_host
+
     group = check_group()
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if (h := same_host.probed(pg)) is not None:
+        return _on_host(h, values, timeout, what, group)
     both = torch.cat([values, -values])
     work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
@@ -76,12 +87,47 @@ def start_disagreeing(
         wait(work, timeout, what)
         n = values.numel()
         if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
+            # every rank agreed, so every rank is here: probing the group now is safe (a collective)
+            same_host.host(pg, torch.device("cpu"))
             return None
-        everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
-        wait(dist.all_gather(everyone, values, group=group, async_op=True), timeout, what)
-        return everyone
+        return _everyone(values, timeout, what, group)
 
     return finish
+
+
+def _on_host(
+    h: Any, values: torch.Tensor, timeout: float, what: str, group: Any
+) -> Callable[[], list[torch.Tensor] | None]:
+    """The check through the host's control block: every rank's digest of its vector; only when
+    they differ (on every rank alike) the vectors themselves, over gloo, to name the groups."""
+    from collectives.distributed import mark_broken
+
+    try:
+        digests = h.exchange(digest(repr(values.tolist())), timeout)
+    except TimeoutError:
+        mark_broken(f"{what} did not complete within {timeout:g} s.")
+        raise _not_completed(what, timeout, "a peer did not reach it") from None
+    if digests is None:
+        mark_broken(f"{what} met another collective of a peer.")
+        raise fail(
+            f"{what} met another collective on some rank: the ranks' calls differ (one rank calls "
+            "the step where another calls a collective of its own). This process group cannot run "
+            "another collective.",
+            "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` "
+            "around a collective call) and start the job again.",
+        )
+    if len(set(digests)) == 1:
+        return lambda: None
+    everyone = _everyone(values, timeout, what, group)
+    return lambda: everyone
+
+
+def _everyone(values: torch.Tensor, timeout: float, what: str, group: Any) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    everyone = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+    wait(dist.all_gather(everyone, values, group=group, async_op=True), timeout, what)
+    return everyone
 
 
 def groups(everyone: list[torch.Tensor]) -> list[list[int]]:

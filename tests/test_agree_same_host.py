@@ -1,0 +1,96 @@
+"""The rank-agreement check on one host (shardspec/agree.py through ``same_host.Host.exchange``):
+after the first call's gloo check the group is probed and later checks exchange one digest in
+shared memory, with no gloo collective; differing calls are still named, an absent rank is still
+the timeout error, and a rank that calls a collective of its own where another calls the step
+gets an error on both sides instead of a hang or garbage."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import collectives as C
+from shardspec import Mesh, P, sharded
+from shardspec.testing import run_distributed
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _step(mesh: Mesh, timeout: float = 60):
+    return sharded(lambda x, lr: x * lr, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"), timeout=timeout)
+
+
+def _message(fn, *args) -> str:
+    try:
+        fn(*args)
+    except Exception as exc:  # the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def agreements(rank: int, world: int) -> dict[str, object]:
+    from collectives import same_host
+
+    mesh = Mesh({"x": world})
+    f = _step(mesh)
+    x, lr = torch.arange(4.0), torch.tensor(0.5)
+    f(x, lr)  # the gloo check; every rank agreed, so the group is probed
+    pg = dist.distributed_c10d._get_default_group()
+    probed = same_host.probed(pg) is not None
+    launched: list[str] = []
+    gloo_all_reduce = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        launched.append("all_reduce")
+        return gloo_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        second = f(x, lr).full_tensor()
+        differs = _message(f, x, torch.tensor(0.25 if rank else 0.5))
+        after = f(x, lr).full_tensor()  # a check that failed on every rank alike leaves the group usable
+    finally:
+        dist.all_reduce = gloo_all_reduce
+    return {"probed": probed, "launched": launched, "second": second, "differs": differs, "after": after}
+
+
+def test_later_checks_go_through_shared_memory_and_still_name_differences():
+    for r in run_distributed(agreements, 2, timeout=120):
+        assert r["probed"]
+        assert r["launched"] == []  # no gloo all-reduce for the checks (the program has none)
+        assert torch.equal(r["second"], torch.arange(4.0) * 0.5)
+        assert torch.equal(r["after"], torch.arange(4.0) * 0.5)
+        assert "with different arguments" in r["differs"] and "lr" in r["differs"], r["differs"]
+
+
+def absent(rank: int, world: int) -> str:
+    mesh = Mesh({"x": world})
+    f = _step(mesh, timeout=1)
+    f(torch.arange(4.0), torch.tensor(0.5))
+    if rank == 1:
+        return "stayed away"
+    return _message(f, torch.arange(4.0), torch.tensor(0.5))
+
+
+def test_an_absent_rank_is_the_check_timeout_error():
+    waited, _ = run_distributed(absent, 2, timeout=60)
+    assert waited.startswith("ShardingError"), waited
+    assert "rank-agreement check at the start of" in waited and "within 1 s" in waited, waited
+
+
+def crossed(rank: int, world: int) -> str:
+    mesh = Mesh({"x": world})
+    f = _step(mesh, timeout=3)
+    f(torch.arange(4.0), torch.tensor(0.5))
+    C.all_reduce(torch.ones(2), axis="x", mesh=mesh)  # the mesh's group probed too
+    if rank == 1:
+        from collectives import distributed
+
+        distributed.set_wait_timeout(3.0)
+        return _message(lambda: C.all_reduce(torch.ones(1000), axis="x", mesh=mesh))
+    return _message(f, torch.arange(4.0), torch.tensor(0.5))
+
+
+def test_a_collective_against_a_check_is_an_error_on_both_ranks():
+    step, collective = run_distributed(crossed, 2, timeout=60)
+    assert step.startswith("ShardingError") and "met another collective" in step, step
+    assert collective.startswith("ShardingError") and "rank-agreement check instead" in collective
