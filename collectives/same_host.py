@@ -176,7 +176,8 @@ def _crossed(rank: int) -> Exception:
     return fail(
         f"a collective met group rank {rank} in a call's rank-agreement check instead of the same "
         "collective: the ranks' calls differ (this rank calls a collective of its own where that rank "
-        "calls a sharded step). This process group cannot run another collective.",
+        "calls a sharded step or a checkpoint save or load). This process group cannot run another "
+        "collective.",
         "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` around "
         "a collective call) and start the job again.",
     )

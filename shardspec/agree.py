@@ -110,9 +110,9 @@ def _on_host(
     if digests is None:
         mark_broken(f"{what} met another collective of a peer.")
         raise fail(
-            f"{what} met another collective on some rank: the ranks' calls differ (one rank calls "
-            "the step where another calls a collective of its own). This process group cannot run "
-            "another collective.",
+            f"{what} met another collective on some rank: the ranks' calls differ (one rank makes "
+            "a step or checkpoint call where another calls a collective of its own). This process "
+            "group cannot run another collective.",
             "make every rank of the mesh make the same calls in the same order (no `if rank == 0:` "
             "around a collective call) and start the job again.",
         )

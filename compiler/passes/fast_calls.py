@@ -96,6 +96,9 @@ def _rewrite(gm: GraphModule, node: Node) -> None:
     graph.erase_node(node)
 
 
+_LOWEST = -(2**62)  # indexing warns for bounds near int64's minimum; below -size both clamp to 0
+
+
 def _slice_index(n: Node) -> Any:
     """The Python index equal to ``aten.slice.Tensor(x, dim, start, end, step)`` (basic indexing
     clamps and wraps start and end as the op does), or None where the node's dim or bounds are not
@@ -105,5 +108,6 @@ def _slice_index(n: Node) -> Any:
         return None
     if not all(v is None or type(v) is int for v in (start, end)) or type(step) is not int or step < 1:
         return None
+    start, end = (v if v is None else max(v, _LOWEST) for v in (start, end))
     piece = slice(start, end, None if step == 1 else step)
     return piece if dim == 0 else (*([slice(None)] * dim), piece)
