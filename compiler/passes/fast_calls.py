@@ -108,6 +108,6 @@ def _slice_index(n: Node) -> Any:
         return None
     if not all(v is None or type(v) is int for v in (start, end)) or type(step) is not int or step < 1:
         return None
-    start, end = (v if v is None else max(v, _LOWEST) for v in (start, end))
-    piece = slice(start, end, None if step == 1 else step)
+    lo, hi = (max(v, _LOWEST) if isinstance(v, int) else None for v in (start, end))
+    piece = slice(lo, hi, None if step == 1 else step)
     return piece if dim == 0 else (*([slice(None)] * dim), piece)
