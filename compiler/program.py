@@ -50,6 +50,7 @@ class Program:
     donated: tuple[int, ...] = ()  # tensor inputs whose buffers the results may take (donate=)
     pipeline: PipelinePlan | None = None  # sharded(pipeline=...): stages, schedule, stage programs
     cost_model: Any = None  # sharded(cost_model=...): the machine the global planner priced
+    eager_calls: tuple[bool, bool] = (False, False)  # the eager real runtime's fast_calls, fast_gelu
 
 
 def per_argument(
@@ -224,6 +225,7 @@ def compile_program(
         n.name for n in traced.module.graph.nodes if source_of(n).startswith("backward of ")
     )  # regather tells forward from backward uses by these
     remat = regions(traced.module)  # ops inside shardspec.remat, recomputed for backward
+    opts = program_passes.options(passes)
     if pipeline is not None:
         plan = plan_pipeline(pipeline, mesh, traced.module, programs, local_inputs, passes, backward, remat)
         return Program(
@@ -236,10 +238,10 @@ def compile_program(
             tuple(inserted),
             (),
             plan,
+            eager_calls=program_passes.eager_calls(opts),
         )
     for gm in dict.fromkeys(programs):  # without a pipeline a boundary is an identity
         drop_boundaries(gm)
-    opts = program_passes.options(passes)
     if opts.memory_budget is not None and not even:
         raise fail(
             f"sharded(memory_budget={opts.memory_budget:,}) needs every rank to hold blocks of one "
@@ -264,6 +266,7 @@ def compile_program(
         tuple(inserted),
         tuple(donated),
         cost_model=cost_model,
+        eager_calls=program_passes.eager_calls(opts),
     )
 
 

@@ -58,8 +58,15 @@ def _real_plan(program: Program) -> _RealPlan:
         ),
         _aliased_results(program),
         held := hold_buckets(program.programs[mesh.rank]),
-        fast_calls(fast_gelu(held)),
+        _eager_calls(held, *program.eager_calls),
     )
+
+
+def _eager_calls(held: Any, calls: bool, gelu: bool) -> Any:
+    """``held`` with the eager runtime's faster calls the pass options chose (``fast_calls``,
+    ``fast_gelu``); none where the program ran no passes."""
+    gm = fast_gelu(held) if gelu else held
+    return fast_calls(gm) if calls else gm
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ buffer held between calls (``arena``; ``{"arena": False}`` turns it off). ``memo
 parameters gathered again for backward that keep the predicted peak within the budget, or an error
 when no schedule fits (``passes/budget.py``).
 
+The eager runtime on a real mesh also calls tensor methods where the program has view, slice and
+matmul overloads (``fast_calls``: the same bits, a third of the Python per call) and computes CPU
+tanh-GELU as ``x * sigmoid(2y)`` (``fast_gelu``: faster and more accurate, but not ATen's bits;
+``{"fast_gelu": False}`` keeps ATen's kernel). Neither runs where every pass is off.
+
 Uneven layouts give ranks different programs; bucket sizes could then differ between ranks, so
 where the ranks' collective sequences would differ, bucketing is skipped.
 """
@@ -66,6 +71,7 @@ from shardspec.errors import fail, shown
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 NAMES = ("views", "remat", "regather", "cast", "bucket", "inplace", "overlap")
+SWITCHES = ("pack_early", "arena", "fast_calls", "fast_gelu")  # on by default, set by mapping only
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class PassOptions:
     pack_early: bool = True  # a gradient copied into its bucket as soon as computed (with bucket)
     arena: bool = True  # large intermediates at planned offsets of a buffer held between calls
     memory_budget: int | None = None  # peak bytes per rank: regather chosen per parameter to fit
+    fast_calls: bool = True  # eager real mesh: tensor methods for view/matmul overloads (same bits)
+    fast_gelu: bool = True  # eager real mesh, CPU: tanh-GELU as x*sigmoid(2y) (not ATen's bits)
 
 
 def options(spec: Any) -> PassOptions:
@@ -105,7 +113,7 @@ def options(spec: Any) -> PassOptions:
             )
         if "memory_budget" in spec:
             check_budget(spec["memory_budget"])
-        for key in (*NAMES, "pack_early", "arena"):
+        for key in (*NAMES, *SWITCHES):
             switch = spec.get(key, True)
             if type(switch).__name__ not in ("bool", "bool_"):  # numpy's bool too
                 raise fail(
@@ -152,8 +160,15 @@ def options(spec: Any) -> PassOptions:
         f"sharded(passes={shown(spec)}) names no pass option ({sorted(map(shown, unknown))}).",
         f"use None (defaults), False (none), a sequence of {list(NAMES)}, or a mapping of those "
         "names to bools (plus 'bucket_bytes', 'zero_bucket_bytes', 'reduce_dtype', 'pack_early', "
-        "'arena' and 'memory_budget').",
+        "'arena', 'fast_calls', 'fast_gelu' and 'memory_budget').",
     )
+
+
+def eager_calls(opts: PassOptions) -> tuple[bool, bool]:
+    """(``fast_calls``, ``fast_gelu``) for the eager runtime on a real mesh: both off where every
+    pass is off (the program then runs as partitioned)."""
+    on = any(getattr(opts, name) for name in NAMES)
+    return (on and opts.fast_calls, on and opts.fast_gelu)
 
 
 def _byte_count(x: Any) -> int | None:
@@ -372,6 +387,7 @@ __all__ = [
     "cast",
     "dense_results",
     "donate_programs",
+    "eager_calls",
     "inplace",
     "launch_sequence",
     "optimize",
