@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardspec.errors import fail
+from shardspec.errors import ShardingError, fail
 
 
 def digest(text: str) -> int:
@@ -87,12 +87,27 @@ def start_disagreeing(
         wait(work, timeout, what)
         n = values.numel()
         if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
-            # every rank agreed, so every rank is here: probing the group now is safe (a collective)
-            same_host.host(pg, torch.device("cpu"))
+            _probe(pg, timeout, what)
             return None
         return _everyone(values, timeout, what, group)
 
     return finish
+
+
+def _probe(pg: Any, timeout: float, what: str) -> None:
+    """Probe the group for the same-host path once every rank agreed (a collective: every rank is
+    here), within the check's ``timeout``: a peer whose check this one paired with may have
+    timed out before the pairing and never reach the probe."""
+    from collectives import distributed, same_host
+
+    prior = distributed.wait_seconds()
+    distributed.set_wait_timeout(timeout)
+    try:
+        same_host.host(pg, torch.device("cpu"))
+    except ShardingError:  # the group is marked broken already
+        raise _not_completed(what, timeout, "a peer gave up on it before its end") from None
+    finally:
+        distributed.set_wait_timeout(prior)
 
 
 def _on_host(

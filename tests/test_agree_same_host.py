@@ -77,6 +77,28 @@ def test_an_absent_rank_is_the_check_timeout_error():
     assert "rank-agreement check at the start of" in waited and "within 1 s" in waited, waited
 
 
+def late_first(rank: int, world: int) -> tuple[str, float]:
+    import time
+
+    f = _step(Mesh({"x": world}), timeout=1)
+    if rank == 1:
+        time.sleep(2)  # rank 0's first check has timed out, but stays posted
+    start = time.monotonic()
+    got = _message(f, torch.arange(4.0), torch.tensor(0.5))
+    took = time.monotonic() - start
+    if rank == 0:
+        time.sleep(4)  # alive (it caught the error), in no collective
+    return got, took
+
+
+def test_a_rank_late_for_the_first_check_gets_the_timeout_error_not_a_hang():
+    """Its check pairs with the timed-out one still posted and agrees; the group's probe that
+    follows then waits for a peer that never joins: within the check's timeout, not gloo's."""
+    for message, took in run_distributed(late_first, 2, timeout=60):
+        assert message.startswith("ShardingError") and "within 1 s" in message, message
+        assert took < 3, took
+
+
 def crossed(rank: int, world: int) -> str:
     mesh = Mesh({"x": world})
     f = _step(mesh, timeout=3)
