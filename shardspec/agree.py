@@ -60,6 +60,15 @@ def check_group() -> Any:
     return _CHECK_GROUP[0][1]
 
 
+CHECKPOINT_CALLS = {digest(f"checkpoint.{w}"): f"checkpoint.{w}" for w in ("save", "load")}
+
+
+def called(word: int) -> str:
+    """What a rank called, from the first word of its agreement vector (a checkpoint call's
+    name, else a sharded step's identity digest)."""
+    return CHECKPOINT_CALLS.get(word, "a sharded step")
+
+
 def disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
     """Every rank's ``values`` (an int64 vector on the CPU), or None when every rank holds the same."""
     return start_disagreeing(values, timeout, what)()

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from shardspec.agree import digest, disagreeing, groups
+from shardspec.agree import called, digest, disagreeing, groups
 from shardspec.checkpoint_files import (
     FORMAT,
     META,
@@ -114,6 +114,9 @@ def _agree(value: Any) -> Any:
     return box[0]
 
 
+FAILED = -1  # word 2 of the agreement vector of a rank whose own arguments were rejected
+
+
 def _all_agree(
     what: str, error: ShardingError | None, text: str, values: list[tuple[str, Any]], timeout: float
 ) -> None:
@@ -124,13 +127,23 @@ def _all_agree(
             raise error
         return
     prints = [fingerprint(v) if isinstance(v, torch.Tensor) else v for _, v in values]
-    mine = torch.tensor([int(error is not None), digest(text), digest(repr(prints))], dtype=torch.int64)
-    everyone = disagreeing(mine, timeout, f"checkpoint.{what} (every rank must call it)")
+    # word 0 names the call (a sharded step's check met here is told apart); FAILED: an error
+    words = [digest(f"checkpoint.{what}"), digest(text), FAILED if error else digest(repr(prints))]
+    everyone = disagreeing(torch.tensor(words), timeout, f"checkpoint.{what} (every rank must call it)")
     if error is not None:  # every rank's own mistake too, not only one that the others lack
         raise error
     if everyone is None:
         return
-    failed = [r for r, v in enumerate(everyone) if int(v[0])]
+    other = {r: called(int(v[0])) for r, v in enumerate(everyone) if int(v[0]) != words[0]}
+    if other:
+        raise fail(
+            f"checkpoint.{what}: other ranks made another call at this point ("
+            + ", ".join(f"rank {r}: {c}" for r, c in other.items())
+            + "); the ranks' calls differ. Nothing was written or read.",
+            "call checkpoint.save and checkpoint.load at the same points on every rank, and every "
+            "sharded step alike (no `if rank == 0:` around either).",
+        )
+    failed = [r for r, v in enumerate(everyone) if int(v[2]) == FAILED]
     if failed:
         raise fail(
             f"checkpoint.{what}: rank(s) {failed} rejected their arguments (their error says why); "

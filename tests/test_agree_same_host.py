@@ -99,6 +99,25 @@ def test_a_rank_late_for_the_first_check_gets_the_timeout_error_not_a_hang():
         assert took < 3, took
 
 
+def checkpoint_against_step(rank: int, world: int, root: str) -> str:
+    import shardspec.checkpoint as ck
+
+    f = _step(Mesh({"x": world}), timeout=10)
+    f(torch.arange(4.0), torch.tensor(0.5))
+    if rank == 0:
+        return _message(f, torch.arange(4.0), torch.tensor(0.5))
+    return _message(lambda: ck.save(root, {"a": torch.ones(3)}, step=1, timeout=10))
+
+
+@pytest.mark.parametrize("same_host", ["1", "0"])
+def test_a_checkpoint_call_against_a_step_is_named_on_both_ranks(tmp_path, same_host):
+    env = {"SHARDSPEC_SAME_HOST": same_host}
+    step, save = run_distributed(checkpoint_against_step, 2, args=(str(tmp_path),), timeout=60, env=env)
+    assert step.startswith("ShardingError") and "checkpoint.save on rank 1" in step, step
+    assert save.startswith("ShardingError") and "rank 0: a sharded step" in save, save
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def crossed(rank: int, world: int) -> str:
     mesh = Mesh({"x": world})
     f = _step(mesh, timeout=3)
