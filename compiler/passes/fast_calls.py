@@ -4,7 +4,7 @@ graph names ATen overloads.
 Why: an ``OpOverload`` call goes through Python (``OpOverload.__call__``, then the binding), about
 2.5 µs on this project's CPU for a ``view`` or ``reshape``, where ``x.view(...)`` takes 0.9 µs and
 ``x.contiguous()`` of a dense tensor 0.1 µs. A GPT step's per-rank program is mostly such calls
-(about 560 of 800 nodes in the 4-layer example's DP step are views, slices and no-op
+(about 680 of 930 nodes in the 4-layer example's DP step are views, slices and no-op
 ``contiguous``), so their overhead is a measurable share of a step whose kernels run at parity with
 eager PyTorch. The method or function reaches the same ATen op with the same arguments: only the
 Python route to it changes, so results are bit for bit the same.
