@@ -24,7 +24,15 @@ import optree
 import torch
 
 from compiler.trace import arg_names, path_str
-from shardspec.agree import called, check_group, digest, disagreeing, groups, start_disagreeing
+from shardspec.agree import (
+    CHECKPOINT_CALLS,
+    check_group,
+    digest,
+    disagreeing,
+    groups,
+    other_calls,
+    start_disagreeing,
+)
 from shardspec.errors import fail
 from shardspec.local import fingerprint
 from shardspec.mesh import Mesh
@@ -254,15 +262,7 @@ def _named_differences(describe: Callable[[], list[tuple[str, str]]] | None) -> 
 def _differing_calls(
     everyone: list[torch.Tensor], name: str, describe: Callable[[], list[tuple[str, str]]] | None = None
 ) -> None:
-    other = {r: c for r, v in enumerate(everyone) if (c := called(int(v[0]))) != "a sharded step"}
-    if other:
-        raise fail(
-            f"ranks made different calls at the same point ({name}(...) on some, "
-            + ", ".join(f"{c} on rank {r}" for r, c in other.items())
-            + "). Running would hang or compute wrong results.",
-            "call checkpoint.save and checkpoint.load at the same points on every rank, and every "
-            "sharded step alike (no `if rank == 0:` around either).",
-        )
+    other_calls(everyone, f"{name}(...)", lambda word: word not in CHECKPOINT_CALLS)
     failed = [r for r, v in enumerate(everyone) if int(v[2]) == FAILED]
     if failed:
         raise fail(

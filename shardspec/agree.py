@@ -69,6 +69,20 @@ def called(word: int) -> str:
     return CHECKPOINT_CALLS.get(word, "a sharded step")
 
 
+def other_calls(everyone: list[torch.Tensor], this: str, same: Callable[[int], bool]) -> None:
+    """Raise, naming each rank's call, where some rank's vector (its word 0) is not of ``this``
+    kind of call by ``same``: a checkpoint call met a step's check, or a step a checkpoint's."""
+    other = {r: called(int(v[0])) for r, v in enumerate(everyone) if not same(int(v[0]))}
+    if other:
+        raise fail(
+            f"{this}: other ranks made another call at this point ("
+            + ", ".join(f"rank {r}: {c}" for r, c in other.items())
+            + "); the ranks' calls differ. Nothing was run, written or read.",
+            "call checkpoint.save and checkpoint.load at the same points on every rank, and every "
+            "sharded step alike (no `if rank == 0:` around either).",
+        )
+
+
 def disagreeing(values: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor] | None:
     """Every rank's ``values`` (an int64 vector on the CPU), or None when every rank holds the same."""
     return start_disagreeing(values, timeout, what)()

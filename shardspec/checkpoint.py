@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
-from shardspec.agree import called, digest, disagreeing, groups
+from shardspec.agree import digest, disagreeing, groups, other_calls
 from shardspec.checkpoint_files import (
     FORMAT,
     META,
@@ -134,15 +134,7 @@ def _all_agree(
         raise error
     if everyone is None:
         return
-    other = {r: called(int(v[0])) for r, v in enumerate(everyone) if int(v[0]) != words[0]}
-    if other:
-        raise fail(
-            f"checkpoint.{what}: other ranks made another call at this point ("
-            + ", ".join(f"rank {r}: {c}" for r, c in other.items())
-            + "); the ranks' calls differ. Nothing was written or read.",
-            "call checkpoint.save and checkpoint.load at the same points on every rank, and every "
-            "sharded step alike (no `if rank == 0:` around either).",
-        )
+    other_calls(everyone, f"checkpoint.{what}", lambda word: word == words[0])
     failed = [r for r, v in enumerate(everyone) if int(v[2]) == FAILED]
     if failed:
         raise fail(
