@@ -214,15 +214,15 @@ def probed(pg: Any) -> Host | None:
     return entry[1] if entry is not None and entry[0] == os.getpid() else None
 
 
-def host(pg: Any, device: torch.device) -> Host | None:
+def host(pg: Any, device: torch.device, finish: Callable[[Any], None] | None = None) -> Host | None:
     """The group's meeting place for a buffer on ``device``, or None (gloo's own collectives). The
     first collective on a group probes it (a collective call on every member); a forked child
-    probes anew."""
+    probes anew. ``finish`` completes the probe's collectives (default: as a step's collective)."""
     if device.type != "cpu" or dist.get_backend(pg) != "gloo":
         return None
     entry = _hosts.get(pg)
     if entry is None or entry[0] != os.getpid():
-        entry = _hosts[pg] = (os.getpid(), _probe(pg))
+        entry = _hosts[pg] = (os.getpid(), _probe(pg, finish))
     return entry[1]
 
 
@@ -286,7 +286,7 @@ def _pattern(pid: int) -> list[int]:
     return [pid, pid ^ 0x5EED5EED5EED, -pid]
 
 
-def _probe(pg: Any) -> Host | None:
+def _probe(pg: Any, finish: Callable[[Any], None] | None) -> Host | None:
     """Every member on this host, able to read the others' memory and to map the control block
     member 0 made: agreed by all (gloo round trips, once per group). Member 0 removes its file once
     every member has mapped it, or given up, or when the exchange raises."""
@@ -303,7 +303,7 @@ def _probe(pg: Any) -> Host | None:
         _remove_stale()
     block = _create(path, 4096) if rank == 0 and enabled else None
     try:
-        rows, mapped = _exchange(pg, rank, n, enabled and (rank > 0 or block is not None), token)
+        rows, mapped = _exchange(pg, rank, n, enabled and (rank > 0 or block is not None), token, finish)
     finally:
         if block is not None:
             path.unlink(missing_ok=True)
@@ -313,16 +313,19 @@ def _probe(pg: Any) -> Host | None:
     return Host(rank, tuple(row[0] for row in rows), block, _group_timeout(pg))
 
 
-def _exchange(pg: Any, rank: int, n: int, able: bool, token: int) -> tuple[list[list[int]], mmap.mmap | None]:
+def _exchange(
+    pg: Any, rank: int, n: int, able: bool, token: int, finish: Callable[[Any], None] | None
+) -> tuple[list[list[int]], mmap.mmap | None]:
     """Every member's (pid, host key, able, probe address, token) where all agreed that every
     member is on this host and reads every other's probe (else no rows), and, on members other
     than 0, member 0's control block, mapped before the agreement completes."""
     from collectives.distributed import _finish
 
+    done = finish or _finish
     probe = torch.tensor(_pattern(os.getpid()), dtype=torch.int64)
     mine = [os.getpid(), _host_key(), int(able), probe.data_ptr(), token]
     table = torch.empty(len(mine) * n, dtype=torch.int64)
-    _finish(_all_gather_flat(table, torch.tensor(mine, dtype=torch.int64), group=pg, async_op=True))
+    done(_all_gather_flat(table, torch.tensor(mine, dtype=torch.int64), group=pg, async_op=True))
     rows = table.view(n, len(mine)).tolist()
     ok = all(row[1] == rows[0][1] and row[2] for row in rows)
     mapped = None
@@ -338,7 +341,7 @@ def _exchange(pg: Any, rank: int, n: int, able: bool, token: int) -> tuple[list[
                 ok = False
             ok = ok and got.tolist() == _pattern(row[0])
     agreed = torch.tensor([int(ok)], dtype=torch.int64)
-    _finish(dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=pg, async_op=True))  # after every read
+    done(dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=pg, async_op=True))  # after every read
     return (rows, mapped) if agreed.item() else ([], None)
 
 

@@ -214,7 +214,7 @@ def _program_digest(program: Program, rank: int) -> int:
     text = "\n".join(
         [
             repr([(i.shape, i.dtype) for i in program.traced.inputs]),
-            repr((program.in_specs, program.out_specs)),
+            repr((program.in_specs, program.out_specs, program.eager_calls)),
             _graph_text(program.traced.module.graph),
             *(f"{n.target} {sorted((k, v) for k, v in n.kwargs.items() if k != 'size')}" for n in calls),
         ]

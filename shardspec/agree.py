@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardspec.errors import ShardingError, fail
+from shardspec.errors import fail
 
 
 def digest(text: str) -> int:
@@ -110,27 +110,22 @@ def start_disagreeing(
         wait(work, timeout, what)
         n = values.numel()
         if torch.equal(both[:n], values) and torch.equal(-both[n:], values):
-            _probe(pg, timeout, what)
+            # a gloo mesh's step waits within timeout anyway; an NCCL mesh's waits unbounded
+            _probe(pg, timeout if group is None else None, what)
             return None
         return _everyone(values, timeout, what, group)
 
     return finish
 
 
-def _probe(pg: Any, timeout: float, what: str) -> None:
+def _probe(pg: Any, timeout: float | None, what: str) -> None:
     """Probe the group for the same-host path once every rank agreed (a collective: every rank is
-    here), within the check's ``timeout``: a peer whose check this one paired with may have
-    timed out before the pairing and never reach the probe."""
-    from collectives import distributed, same_host
+    here), its waits as the check's own within ``timeout`` (None: unbounded): a peer whose check
+    this one paired with may have timed out before the pairing and never reach the probe."""
+    from collectives import same_host
 
-    prior = distributed.wait_seconds()
-    distributed.set_wait_timeout(timeout)
-    try:
-        same_host.host(pg, torch.device("cpu"))
-    except ShardingError:  # the group is marked broken already
-        raise _not_completed(what, timeout, "a peer gave up on it before its end") from None
-    finally:
-        distributed.set_wait_timeout(prior)
+    finish = None if timeout is None else (lambda work: wait(work, timeout, what))
+    same_host.host(pg, torch.device("cpu"), finish)
 
 
 def _on_host(
