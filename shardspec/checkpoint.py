@@ -333,6 +333,9 @@ def load(
     damaged or swapped file is an error naming it rather than silently wrong values.
     """
     _usable("checkpoint.load")
+    # every rank is here, in a load, before rank 0's view of the directory is broadcast (a step's
+    # check met here is named, where the broadcast would leave this rank waiting)
+    _all_agree("load", None, "start", [], timeout)
     ckpt, error, kind = _agree(resolve(Path(path)))
     if ckpt is None:
         fix = (

@@ -99,23 +99,30 @@ def test_a_rank_late_for_the_first_check_gets_the_timeout_error_not_a_hang():
         assert took < 3, took
 
 
-def checkpoint_against_step(rank: int, world: int, root: str) -> str:
+def checkpoint_against_step(rank: int, world: int, root: str, call: str) -> str:
     import shardspec.checkpoint as ck
 
     f = _step(Mesh({"x": world}), timeout=10)
     f(torch.arange(4.0), torch.tensor(0.5))
+    if call == "load":
+        ck.save(root, {"a": torch.ones(3)}, step=1, timeout=10)
     if rank == 0:
         return _message(f, torch.arange(4.0), torch.tensor(0.5))
+    if call == "load":
+        return _message(lambda: ck.load(root, like={"a": torch.ones(3)}, timeout=10))
     return _message(lambda: ck.save(root, {"a": torch.ones(3)}, step=1, timeout=10))
 
 
+@pytest.mark.parametrize("call", ["save", "load"])
 @pytest.mark.parametrize("same_host", ["1", "0"])
-def test_a_checkpoint_call_against_a_step_is_named_on_both_ranks(tmp_path, same_host):
+def test_a_checkpoint_call_against_a_step_is_named_on_both_ranks(tmp_path, same_host, call):
     env = {"SHARDSPEC_SAME_HOST": same_host}
-    step, save = run_distributed(checkpoint_against_step, 2, args=(str(tmp_path),), timeout=60, env=env)
-    assert step.startswith("ShardingError") and "rank 1: checkpoint.save" in step, step
-    assert save.startswith("ShardingError") and "rank 0: a sharded step" in save, save
-    assert not list(tmp_path.iterdir())  # nothing written
+    before = sorted(tmp_path.iterdir()) if call == "save" else None
+    step, other = run_distributed(checkpoint_against_step, 2, args=(str(tmp_path), call), timeout=60, env=env)
+    assert step.startswith("ShardingError") and f"rank 1: checkpoint.{call}" in step, step
+    assert other.startswith("ShardingError") and "rank 0: a sharded step" in other, other
+    if before is not None:
+        assert sorted(tmp_path.iterdir()) == before  # nothing written
 
 
 def crossed(rank: int, world: int) -> str:
